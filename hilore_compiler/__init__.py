@@ -1,0 +1,1 @@
+"""HiLoRe: what to store, compress or recompute for efficient GRPO training."""

@@ -1,0 +1,1 @@
+"""One module per ``hilore`` subcommand: ``add_parser(subparsers)`` sets ``run``."""

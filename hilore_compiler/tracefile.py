@@ -1,0 +1,207 @@
+"""The trace: recovery units and their measured costs (``hilore.trace/v1``).
+
+A trace is what the tracer writes and the solver reads. It knows nothing of
+torch.fx: sizes are sympy expressions (as strings) of the symbolic batch ``B``
+and sequence length ``S``, costs are seconds with the source that produced
+them, so a plan can be made offline, on another machine, for another shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sympy
+
+from .jsonio import FormatError, read_json, require, write_json_atomic
+
+TRACE_SCHEMA = "hilore.trace/v1"
+
+#: The shape symbols every size expression may use.
+B, S = sympy.symbols("B S", positive=True, integer=True)
+SHAPE_SYMBOLS = {"B": B, "S": S}
+
+
+def parse_size(expr: str, where: str = "size") -> sympy.Expr:
+    """Parse a size expression such as ``"4*B*S*64"`` (only B and S allowed)."""
+    try:
+        value = sympy.sympify(expr, locals=SHAPE_SYMBOLS)
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise FormatError(f"{where}: cannot parse size expression {expr!r}") from e
+    unknown = value.free_symbols - {B, S}
+    if unknown:
+        raise FormatError(f"{where}: size {expr!r} uses unknown symbols {sorted(map(str, unknown))}")
+    return value
+
+
+def eval_size(expr: str | sympy.Expr, batch: int, seq_len: int) -> int:
+    """Evaluate a size expression at a concrete shape."""
+    value = parse_size(expr) if isinstance(expr, str) else expr
+    return int(value.subs({B: batch, S: seq_len}))
+
+
+@dataclass(frozen=True, slots=True)
+class CodecCost:
+    """What compressing one unit with one codec costs and how far it is off."""
+
+    #: Bytes kept across forward/backward when compressed (payload + scales).
+    bytes: str
+    #: Encode + decode seconds at the traced shape.
+    time_s: float
+    #: Relative L2 error ||decode(encode(x)) - x|| / ||x|| on the traced tensor.
+    rel_l2: float
+    #: Largest absolute elementwise error on the traced tensor.
+    max_abs: float
+    #: ``"measured"`` or ``"roofline:<device>"``.
+    source: str
+    #: False when the codec must not be used for this unit (see ``reason``).
+    usable: bool = True
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryUnit:
+    """The saved activations one place of the model produces, decided together."""
+
+    #: Stable across processes and shapes: ``<module fqn>:<op kind>:<index>``.
+    key: str
+    #: Decoder layer index, or None outside the layer stack (embedding, head).
+    layer: int | None
+    #: Role inside its layer, e.g. ``mlp.act``, ``attn.sdpa``, ``norm``.
+    kind: str
+    #: The aten op that produces it, e.g. ``mm``, ``mul``.
+    op: str
+    dtype: str
+    #: Bytes kept when stored, as a sympy expression of B and S.
+    bytes: str
+    #: Bytes at the traced shape (the expression evaluated there).
+    bytes_at_trace: int
+    #: Keys of the units its recomputation reads (the rest are model inputs).
+    recompute_from: tuple[str, ...]
+    #: Bytes that recomputing it needs at once besides its own output.
+    recompute_transient: str
+    #: Seconds to recompute it from ``recompute_from`` at the traced shape.
+    recompute_time_s: float
+    recompute_flops: int
+    recompute_source: str
+    #: False for random ops without saved seeds, side effects or mutation.
+    recomputable: bool = True
+    not_recomputable_reason: str | None = None
+    codecs: dict[str, CodecCost] = field(default_factory=dict)
+    #: Calibrated gradient sensitivity per codec: relative gradient error per
+    #: unit of exposure when only this unit is compressed. Empty until calibrated.
+    sensitivity: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """Everything the solver needs about one model's saved activations."""
+
+    #: Identifies the model graph; a plan carries it to refuse the wrong model.
+    fingerprint: str
+    model: str
+    #: The shape the costs were measured at.
+    batch: int
+    seq_len: int
+    device: str
+    #: ``"measured"`` or ``"roofline:<device>"``.
+    cost_source: str
+    units: tuple[RecoveryUnit, ...]
+    #: Bytes that per-layer gradient checkpointing keeps (layer inputs plus what
+    #: lies outside the layers) plus one layer's recompute transient.
+    gc_bytes: str
+    #: Bytes the default min-cut partition keeps (everything stored).
+    store_bytes: str
+    num_layers: int
+    torch_version: str = ""
+    graph_breaks: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def unit(self, key: str) -> RecoveryUnit:
+        for u in self.units:
+            if u.key == key:
+                return u
+        raise KeyError(f"no recovery unit {key!r} in trace of {self.model}")
+
+    def to_json(self) -> dict[str, Any]:
+        payload = dataclasses.asdict(self)
+        return {"schema": TRACE_SCHEMA, **payload}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the trace atomically as ``hilore.trace/v1`` JSON."""
+        return write_json_atomic(path, self.to_json())
+
+
+def _codec_cost(obj: dict[str, Any], where: str) -> CodecCost:
+    return CodecCost(
+        bytes=str(require(obj, "bytes", str, where)),
+        time_s=float(require(obj, "time_s", (int, float), where)),
+        rel_l2=float(require(obj, "rel_l2", (int, float), where)),
+        max_abs=float(require(obj, "max_abs", (int, float), where)),
+        source=require(obj, "source", str, where),
+        usable=bool(obj.get("usable", True)),
+        reason=obj.get("reason"),
+    )
+
+
+def _unit(obj: dict[str, Any], where: str) -> RecoveryUnit:
+    key = require(obj, "key", str, where)
+    where = f"{where}[{key}]"
+    bytes_expr = require(obj, "bytes", str, where)
+    parse_size(bytes_expr, f"{where}.bytes")
+    codecs = require(obj, "codecs", dict, where)
+    return RecoveryUnit(
+        key=key,
+        layer=obj.get("layer"),
+        kind=require(obj, "kind", str, where),
+        op=require(obj, "op", str, where),
+        dtype=require(obj, "dtype", str, where),
+        bytes=bytes_expr,
+        bytes_at_trace=int(require(obj, "bytes_at_trace", int, where)),
+        recompute_from=tuple(require(obj, "recompute_from", list, where)),
+        recompute_transient=str(require(obj, "recompute_transient", str, where)),
+        recompute_time_s=float(require(obj, "recompute_time_s", (int, float), where)),
+        recompute_flops=int(require(obj, "recompute_flops", int, where)),
+        recompute_source=require(obj, "recompute_source", str, where),
+        recomputable=bool(require(obj, "recomputable", bool, where)),
+        not_recomputable_reason=obj.get("not_recomputable_reason"),
+        codecs={n: _codec_cost(c, f"{where}.codecs.{n}") for n, c in codecs.items()},
+        sensitivity={n: float(v) for n, v in obj.get("sensitivity", {}).items()},
+    )
+
+
+def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
+    """Build a Trace from parsed JSON, naming the field that is wrong if any."""
+    if payload.get("schema") != TRACE_SCHEMA:
+        raise FormatError(f"{where}: schema is {payload.get('schema')!r}, expected {TRACE_SCHEMA!r}")
+    units = tuple(
+        _unit(u, f"{where}.units[{i}]") for i, u in enumerate(require(payload, "units", list, where))
+    )
+    keys = {u.key for u in units}
+    for u in units:
+        missing = set(u.recompute_from) - keys
+        if missing:
+            raise FormatError(f"{where}: unit {u.key} recomputes from unknown units {sorted(missing)}")
+    return Trace(
+        fingerprint=require(payload, "fingerprint", str, where),
+        model=require(payload, "model", str, where),
+        batch=require(payload, "batch", int, where),
+        seq_len=require(payload, "seq_len", int, where),
+        device=require(payload, "device", str, where),
+        cost_source=require(payload, "cost_source", str, where),
+        units=units,
+        gc_bytes=require(payload, "gc_bytes", str, where),
+        store_bytes=require(payload, "store_bytes", str, where),
+        num_layers=require(payload, "num_layers", int, where),
+        torch_version=payload.get("torch_version", ""),
+        graph_breaks=tuple(payload.get("graph_breaks", ())),
+        notes=tuple(payload.get("notes", ())),
+    )
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Read and validate a ``hilore.trace/v1`` file."""
+    return trace_from_json(read_json(path, TRACE_SCHEMA), where=str(path))

@@ -1,0 +1,62 @@
+"""GRPO: the loss, per-token coefficients, exposure buckets and the actor update.
+
+Modules in pipeline order:
+
+- ``config``: ``GRPOConfig``, the loss options (TRL / verl names in comments).
+- ``advantages``: group-relative advantages from rewards.
+- ``loss``: the clipped policy loss with its normalisations, as one weighted
+  token sum.
+- ``coefficients``: c_t = d loss / d logprob_t in closed form (before the
+  forward on-policy, exactly before backward) and exposure = sum_t |c_t|.
+- ``buckets``: exposure buckets (``"zero"``, ``"b0"`` ... ``"b{n-1}"``).
+- ``update``: one actor update, microbatched by bucket under
+  ``runtime.exposure(bucket)``, with full-batch normalisation.
+"""
+
+from .advantages import group_advantages
+from .buckets import ZERO, ExposureBuckets, bucket_names, exposure_buckets
+from .coefficients import (
+    exposure_before_backward,
+    exposure_before_forward,
+    sample_exposure,
+    token_coefficients,
+    token_coefficients_before_forward,
+)
+from .config import LOSS_TYPES, SCALE_REWARDS, GRPOConfig
+from .loss import grpo_loss, k3_kl, per_token_loss, token_weights
+from .update import (
+    RolloutBatch,
+    UpdateConfig,
+    UpdatePlan,
+    UpdateReport,
+    actor_update,
+    plan_update,
+    token_logprobs,
+)
+
+__all__ = [
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "ZERO",
+    "ExposureBuckets",
+    "GRPOConfig",
+    "RolloutBatch",
+    "UpdateConfig",
+    "UpdatePlan",
+    "UpdateReport",
+    "actor_update",
+    "bucket_names",
+    "exposure_before_backward",
+    "exposure_before_forward",
+    "exposure_buckets",
+    "group_advantages",
+    "grpo_loss",
+    "k3_kl",
+    "per_token_loss",
+    "plan_update",
+    "sample_exposure",
+    "token_coefficients",
+    "token_coefficients_before_forward",
+    "token_logprobs",
+    "token_weights",
+]

@@ -71,7 +71,10 @@ class RowwiseCodec(Codec):
         scale = e.op(aten.clamp_min.default, e.op(aten.div.Tensor, absmax, self.qmax), SCALE_MIN)
         y = self._grid(e, e.op(aten.div.Tensor, x32, scale))  # (..., N)
         # absmax / fl(absmax / qmax) may exceed qmax by an ulp.
-        y = e.op(aten.clamp.default, y, -self.qmax, self.qmax)
+        # clamp_min/clamp_max, not clamp: Inductor lowers only the former
+        # (aten.clamp is decomposed before lowering, and these nodes are
+        # inserted after decomposition).
+        y = e.op(aten.clamp_max.default, e.op(aten.clamp_min.default, y, -self.qmax), self.qmax)
         device = e.val(x).device
         zero = e.op(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=device)
         nan = e.op(aten.scalar_tensor.default, math.nan, dtype=torch.float32, device=device)

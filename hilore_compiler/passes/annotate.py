@@ -1,0 +1,239 @@
+"""Annotate: group the joint graph's saved activations into recovery units.
+
+Input: the AOT joint graph and the names of the forward values that the
+default min-cut partition saves for backward. Output: one ``UnitNodes`` per
+recovery unit, and ``node.meta["hilore_unit"]`` (the unit key) on every node
+that belongs to a unit. Keys come from the module path and op kind, never
+from FX node names, so the same model gives the same keys in every process
+and at every shape.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+#: node.meta key holding the recovery unit key of a saved node.
+UNIT_META = "hilore_unit"
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitNodes:
+    """A recovery unit as it appears in one joint graph."""
+
+    key: str
+    fqn: str
+    layer: int | None
+    kind: str
+    op: str
+    #: The saved forward nodes (several for multi-output ops such as sdpa).
+    saved: tuple[fx.Node, ...]
+    #: Forward nodes recomputation must re-run (the saved nodes included).
+    region: tuple[fx.Node, ...]
+    #: Saved nodes of other units that recomputation reads.
+    frontier: tuple[fx.Node, ...]
+    recomputable: bool
+    not_recomputable_reason: str | None
+
+
+def normalize_fqn(path: str) -> str:
+    """``"L['self'].layers[0]._modules['mlp'].up"`` -> ``"layers.0.mlp.up"``."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return re.sub(r"\.+", ".", path).strip(".")
+
+
+def module_fqn(node: fx.Node) -> str:
+    """The innermost module path that produced ``node`` ("" at top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return normalize_fqn(path)
+
+
+def op_name(node: fx.Node) -> str:
+    """A short, process-independent name of the op: ``mm``, ``mul``, ..."""
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return op_name(node.args[0])
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _source_fn(node: fx.Node) -> str:
+    stack = node.meta.get("source_fn_stack")
+    if not stack:
+        return op_name(node)
+    # "linear_3" and "linear" are the same torch-level function.
+    return re.sub(r"_\d+$", "", str(stack[-1][0]))
+
+
+def layer_of(fqn: str) -> int | None:
+    match = _LAYER_RE.search(fqn)
+    return int(match.group(1)) if match else None
+
+
+def unit_kind(fqn: str, node: fx.Node) -> str:
+    """Role inside the layer, e.g. ``mlp.gate_proj.linear`` or ``self_attn.sdpa``."""
+    rel = _LAYER_RE.split(fqn, maxsplit=1)[-1] if layer_of(fqn) is not None else fqn
+    source = _source_fn(node).replace("scaled_dot_product_attention", "sdpa")
+    return ".".join(p for p in (rel, source) if p)
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for ops whose output depends on the RNG state.
+
+    Attention kernels are tagged random because they take ``dropout_p``; with
+    ``dropout_p == 0`` they are deterministic and safe to recompute.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return value != 0.0
+    return True
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return node.op == "call_function" and getattr(target, "__name__", "") == "with_effects"
+
+
+def is_backward(node: fx.Node) -> bool:
+    """True for joint-graph nodes that belong to the backward pass."""
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def is_activation(node: fx.Node) -> bool:
+    """A forward tensor computed by the graph. Backward-tagged values that
+    min-cut hoists into the forward (transposed weights) are not activations:
+    they depend on parameters alone and no plan changes them."""
+    return (node.op == "call_function" and not is_backward(node)
+            and isinstance(node.meta.get("val"), torch.Tensor))
+
+
+def _unit_root(node: fx.Node) -> fx.Node:
+    """Multi-output ops save several getitems; they form one unit."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return node
+
+
+def _stable_indices(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Index of each forward node among forward nodes of the same (fqn, op)."""
+    seen: dict[tuple[str, str], int] = defaultdict(int)
+    index = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or is_backward(node) or node.target is operator.getitem:
+            continue
+        group = (module_fqn(node), op_name(node))
+        index[node] = seen[group]
+        seen[group] += 1
+    return index
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The op that owns ``node``'s memory: ``node`` itself unless it is a view."""
+    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        base = node.args[0]
+        if not isinstance(base, fx.Node) or base.op == "placeholder":
+            break
+        node = base
+    return node
+
+
+def _region(saved: tuple[fx.Node, ...], stops: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Walk back from ``saved`` to other saved values or graph inputs.
+
+    Another view of a saved value's memory (``view_8`` beside a saved
+    ``view_6`` of the same base) counts as that saved value: recomputation
+    reads it from there, whichever view the graph happens to use.
+    """
+    by_root = {storage_root(s): s for s in stops}
+    region, frontier, todo, seen = [], [], list(saved), set(saved)
+    while todo:
+        node = todo.pop()
+        region.append(node)
+        for arg in node.all_input_nodes:
+            if arg in seen:
+                continue
+            seen.add(arg)
+            if arg.op == "placeholder":
+                continue
+            stop = arg if arg in stops else by_root.get(storage_root(arg))
+            if stop is not None and stop not in saved:
+                frontier.append(stop)
+            else:
+                todo.append(arg)
+    return region, frontier
+
+
+def _recompute_verdict(region: list[fx.Node]) -> str | None:
+    for node in region:
+        if is_random(node):
+            return f"random op {op_name(node)} without a saved seed"
+        if has_side_effect(node):
+            return f"op {op_name(node)} mutates or has side effects"
+    return None
+
+
+def annotate_units(joint: fx.GraphModule, saved_names: set[str]) -> list[UnitNodes]:
+    """Group the saved forward values named ``saved_names`` into recovery units.
+
+    Placeholders (parameters, user inputs) are never units: they stay alive
+    regardless of the plan; nor are symbolic ints and hoisted weight values.
+    """
+    graph = joint.graph
+    saved_nodes = [n for n in graph.nodes if n.name in saved_names and is_activation(n)]
+    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in saved_nodes:
+        groups[_unit_root(node)].append(node)
+    index = _stable_indices(graph)
+    stops = set(saved_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    units = []
+    for root, members in groups.items():
+        fqn, op = module_fqn(root), op_name(root)
+        key = f"{fqn or '<top>'}:{op}:{index.get(root, 0)}"
+        region, frontier = _region(tuple(members), stops)
+        region.sort(key=order.__getitem__)
+        reason = _recompute_verdict(region + ([root] if root not in region else []))
+        for node in members:
+            node.meta[UNIT_META] = key
+        units.append(UnitNodes(
+            key=key, fqn=fqn, layer=layer_of(fqn), kind=unit_kind(fqn, root), op=op,
+            saved=tuple(members), region=tuple(region),
+            frontier=tuple(dict.fromkeys(frontier)), recomputable=reason is None,
+            not_recomputable_reason=reason,
+        ))
+    _check_unique(units)
+    return units
+
+
+def _check_unique(units: list[UnitNodes]) -> None:
+    keys = [u.key for u in units]
+    dupes = {k for k in keys if keys.count(k) > 1}
+    if dupes:
+        raise RuntimeError(f"recovery unit keys are not unique: {sorted(dupes)}")
+
+
+def frontier_keys(unit: UnitNodes) -> tuple[str, ...]:
+    """Keys of the units that ``unit``'s recomputation reads."""
+    return tuple(dict.fromkeys(n.meta[UNIT_META] for n in unit.frontier))

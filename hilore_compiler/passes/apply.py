@@ -1,0 +1,179 @@
+"""Apply: rewrite the joint graph so min-cut partitions it as the plan says.
+
+Before Inductor's partitioner runs, every recovery unit gets its option:
+
+- ``store``: its saved nodes are tagged ``MUST_SAVE``.
+- ``recompute``: its whole recompute region is tagged ``MUST_RECOMPUTE``, so
+  backward re-runs it from the (stored or recomputed) units it reads.
+- ``compress:<codec>``: the codec's encode runs right after the producer and
+  its payload is tagged ``MUST_SAVE``; backward reads a decode of it (tagged
+  ``MUST_RECOMPUTE``, so it runs in backward). Cheap forward ops that the
+  default partition recomputes from the unit in backward are cloned to read
+  the decoded value, so the full-precision tensor is never kept.
+
+The partitioner then saves exactly the stored tensors and the payloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .. import codecs as codec_registry
+from .annotate import UNIT_META, UnitNodes, is_backward, storage_root
+
+STORE, RECOMPUTE, COMPRESS = "store", "recompute", "compress:"
+
+#: node.meta key naming the codec node a rewrite inserted (for inspection).
+CODEC_META = "hilore_codec"
+
+
+class PlanMismatchError(ValueError):
+    """A plan that does not fit the graph it is applied to."""
+
+
+def check_decisions(units: list[UnitNodes], decisions: Mapping[str, str]) -> None:
+    """Refuse a plan whose units are not this graph's, or that breaks its rules."""
+    keys = {u.key for u in units}
+    unknown = sorted(set(decisions) - keys)
+    missing = sorted(keys - set(decisions))
+    if unknown or missing:
+        raise PlanMismatchError(
+            f"the plan does not match this graph: {len(unknown)} plan units are not in the "
+            f"graph (e.g. {unknown[:3]}), {len(missing)} graph units have no decision "
+            f"(e.g. {missing[:3]}). Make the plan from a trace of this model "
+            "(hilore trace, then hilore plan)"
+        )
+    by_key = {u.key: u for u in units}
+    for key, option in decisions.items():
+        unit = by_key[key]
+        if option == RECOMPUTE:
+            if not unit.recomputable:
+                raise PlanMismatchError(f"plan recomputes {key}, which is not recomputable: {unit.not_recomputable_reason}")
+            compressed = [k for k in _frontier(unit) if decisions[k].startswith(COMPRESS)]
+            if compressed:
+                raise PlanMismatchError(f"plan recomputes {key} from compressed units {compressed}")
+        elif option.startswith(COMPRESS):
+            codec_registry.get_codec(option[len(COMPRESS):])
+        elif option != STORE:
+            raise PlanMismatchError(f"unknown option {option!r} for unit {key}")
+
+
+def _frontier(unit: UnitNodes) -> list[str]:
+    return list(dict.fromkeys(n.meta[UNIT_META] for n in unit.frontier))
+
+
+def apply_decisions(joint: fx.GraphModule, units: list[UnitNodes], decisions: Mapping[str, str]) -> dict[str, int]:
+    """Tag and rewrite ``joint`` in place; returns how many units got each option."""
+    check_decisions(units, decisions)
+    counts = {STORE: 0, RECOMPUTE: 0, "compress": 0}
+    # Recompute regions first, stores second: a stored value that lies inside
+    # a recompute region (a shared view base) stays stored and is read there.
+    for unit in units:
+        if decisions[unit.key] == RECOMPUTE:
+            for node in unit.region:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            counts[RECOMPUTE] += 1
+    for unit in units:
+        if decisions[unit.key] == STORE:
+            for node in unit.saved:
+                storage_root(node).meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            counts[STORE] += 1
+    # Compress the memory, not one view of it: every view backward reads
+    # then comes from the decoded copy.
+    roots: dict[fx.Node, object] = {}
+    for unit in units:
+        option = decisions[unit.key]
+        if option.startswith(COMPRESS):
+            codec = codec_registry.get_codec(option[len(COMPRESS):])
+            for node in unit.saved:
+                roots.setdefault(storage_root(node), codec)
+            counts["compress"] += 1
+    if roots:
+        _compress_all(joint.graph, roots)
+    joint.graph.lint()
+    joint.recompile()
+    return counts
+
+
+def _first_backward(graph: fx.Graph) -> fx.Node:
+    """The first node that reads a tangent: every forward value exists by then.
+
+    (Backward-tagged nodes that read only parameters may sit earlier.)
+    """
+    from_tangents: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and "tangents" in node.name:
+            from_tangents.add(node)
+        elif node.op == "output" or any(a in from_tangents for a in node.all_input_nodes):
+            return node
+    raise AssertionError("joint graph without an output node")
+
+
+def _recomputed_downstream(roots: Mapping[fx.Node, object]) -> list[fx.Node]:
+    """Forward nodes computed from the compressed ``roots`` (without passing a
+    stored value) whose values backward reads: the default partition would
+    recompute them from the roots, so backward must get them from the decoded
+    copies instead. In graph order."""
+    reach, todo, seen = [], list(roots), set(roots)
+    while todo:
+        for user in todo.pop().users:
+            # Stop at stored values, at backward, and at what rewrites added.
+            if (user in seen or is_backward(user) or user.op == "output" or CODEC_META in user.meta
+                    or user.meta.get("recompute") == CheckpointPolicy.MUST_SAVE):
+                continue
+            seen.add(user)
+            reach.append(user)
+            todo.append(user)
+    order = {n: i for i, n in enumerate(next(iter(roots)).graph.nodes)}
+    needed: set[fx.Node] = set()
+    for node in sorted(reach, key=order.__getitem__, reverse=True):
+        if any(is_backward(u) or u in needed for u in node.users):
+            needed.add(node)
+    return sorted(needed, key=order.__getitem__)
+
+
+def _new_nodes(graph: fx.Graph, build) -> tuple[object, list[fx.Node]]:
+    """Run a graph builder; return its result and the nodes it inserted."""
+    before = set(graph.nodes)
+    result = build()
+    return result, [n for n in graph.nodes if n not in before]
+
+
+def _compress_all(graph: fx.Graph, roots: Mapping[fx.Node, object]) -> None:
+    """Encode each root after its producer; give backward decoded copies.
+
+    Forward ops between the roots and backward's reads are cloned onto the
+    decoded values, so no full-precision root or value derived from it needs
+    to be kept. Decode and clones are tagged MUST_RECOMPUTE: they run in
+    backward, from the payloads (tagged MUST_SAVE).
+    """
+    downstream = _recomputed_downstream(roots)
+    first_backward = _first_backward(graph)
+    clones: dict[fx.Node, fx.Node] = {}
+    recomputed: list[fx.Node] = []
+    for root, codec in roots.items():
+        with graph.inserting_after(root):
+            parts, encode_nodes = _new_nodes(graph, lambda: codec.graph_encode(graph, root))
+        for part in parts:
+            part.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        dtype = root.meta["val"].dtype
+        with graph.inserting_before(first_backward):
+            clones[root], decode_nodes = _new_nodes(
+                graph, lambda: codec.graph_decode(graph, tuple(parts), dtype))
+        recomputed += decode_nodes
+    # A fresh block: the codec's emitter leaves the point after its last node.
+    with graph.inserting_before(first_backward):
+        for node in downstream:
+            clones[node] = graph.node_copy(node, lambda a: clones.get(a, a))
+            clones[node].meta[CODEC_META] = "clone"
+            recomputed.append(clones[node])
+    for node in recomputed:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    for original, replacement in clones.items():
+        for user in list(original.users):
+            if is_backward(user):
+                user.replace_input_with(original, replacement)

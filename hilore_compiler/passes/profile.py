@@ -1,0 +1,204 @@
+"""Profile: what each recovery unit costs to store, compress or recompute.
+
+Measured costs run on the tensors of a real forward pass: each unit's
+recompute region is extracted into its own graph and re-run from the saved
+values it reads (warm-up, repeats, median), and each codec encodes and
+decodes the real saved tensor. Roofline costs estimate the same from FLOPs
+and bytes with a device's published peaks (``costmodel``), so a trace for a
+GPU can be made on a machine without one, even for a model on the meta device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import codecs as codec_registry
+from ..costmodel import DeviceSpec, device_spec, op_seconds
+from ..tracefile import CodecCost, RecoveryUnit
+from .annotate import UnitNodes, frontier_keys
+from .sizes import concrete, nbytes_expr, shape_expr
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileConfig:
+    """How costs are measured."""
+
+    #: ``"measured"`` (run on this machine) or ``"roofline:<device>"``.
+    cost_model: str = "measured"
+    #: Untimed runs before timing, to fill caches and allocator pools.
+    warmup: int = 1
+    #: Timed runs; the median is kept because 2 shared cores are noisy.
+    repeats: int = 5
+    codecs: tuple[str, ...] = ("bf16", "int8", "fp8")
+    batch: int = 1
+    seq_len: int = 1
+
+
+def region_graph(unit: UnitNodes) -> tuple[fx.GraphModule, list[str]]:
+    """A standalone graph that recomputes ``unit``'s saved values from its inputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+    region = set(unit.region)
+    for node in unit.region:
+        for arg in node.all_input_nodes:
+            if arg not in region and arg not in env:
+                env[arg] = graph.placeholder(arg.name)
+                env[arg].meta = dict(arg.meta)
+                inputs.append(arg.name)
+    for node in unit.region:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in unit.saved))
+    return fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+def _median_seconds(fn: Callable[[], Any], config: ProfileConfig) -> float:
+    for _ in range(config.warmup):
+        fn()
+    samples = []
+    for _ in range(config.repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class _RooflineCounter(fx.Interpreter):
+    """Runs a region (on meta or real tensors) summing per-op roofline time."""
+
+    def __init__(self, gm: fx.GraphModule, spec: DeviceSpec):
+        super().__init__(gm)
+        self.spec, self.seconds, self.flops = spec, 0.0, 0
+
+    def call_function(self, target, args, kwargs):
+        with FlopCounterMode(display=False) as counter:
+            out = super().call_function(target, args, kwargs)
+        flops = counter.get_total_flops()
+        tensors = [a for a in (*args, out) if isinstance(a, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if isinstance(out, torch.Tensor) and out._base is not None:
+            nbytes = 0  # a view moves no data
+        dtype = out.dtype if isinstance(out, torch.Tensor) else torch.float32
+        self.seconds += op_seconds(self.spec, flops, nbytes, dtype)
+        self.flops += flops
+        return out
+
+
+def _recompute_cost(unit: UnitNodes, values: dict[str, Any], config: ProfileConfig) -> tuple[float, int, str]:
+    gm, inputs = region_graph(unit)
+    args = [values[name] for name in inputs]
+    if config.cost_model == "measured":
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            gm(*args)
+        with torch.no_grad():
+            seconds = _median_seconds(lambda: gm(*args), config)
+        return seconds, counter.get_total_flops(), "measured"
+    counter = _RooflineCounter(gm, device_spec(config.cost_model))
+    with torch.no_grad():
+        counter.run(*args)
+    return counter.seconds, counter.flops, config.cost_model
+
+
+def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> CodecCost:
+    codec = codec_registry.get_codec(name)
+    payload = sum(
+        (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.saved),
+        sympy.Integer(0),
+    )
+    tensors = [values[n.name] for n in unit.saved]
+
+    def unusable(reason: str) -> CodecCost:
+        return CodecCost(bytes=str(payload), time_s=0.0, rel_l2=0.0, max_abs=0.0,
+                         source=config.cost_model, usable=False, reason=reason)
+
+    reason = _unusable_reason(codec, tensors)
+    if reason:
+        return unusable(reason)
+    try:
+        rel, max_abs = _codec_error(codec, tensors)
+    except codec_registry.NonFiniteError as e:
+        return unusable(str(e))
+    if config.cost_model == "measured":
+        seconds = _median_seconds(lambda: [codec.decode(codec.encode(t), t.dtype) for t in tensors], config)
+    else:
+        seconds = _codec_roofline_seconds(tensors, payload, config)
+    return CodecCost(bytes=str(payload), time_s=seconds, rel_l2=rel, max_abs=max_abs,
+                     source=config.cost_model)
+
+
+def _unusable_reason(codec, tensors: list[torch.Tensor]) -> str | None:
+    for t in tensors:
+        if not codec.supports(t.dtype):
+            return f"{codec.name} does not encode {t.dtype}"
+        if t.dim() == 0 or t.numel() == 0:
+            return "empty or scalar tensor: nothing to save"
+    if not codec.available(tensors[0].device if tensors[0].device.type != "meta" else "cpu"):
+        return f"{codec.name} is not available on this platform"
+    return None
+
+
+#: Meta tensors (roofline traces of big models) hold no data: the codec's
+#: error is then measured on this many standard-normal samples with the
+#: unit's row length, which matches activations after normalisation well.
+SYNTHETIC_SAMPLES = 1 << 16
+
+
+def _codec_error(codec, tensors: list[torch.Tensor]) -> tuple[float, float]:
+    """Worst relative L2 and max abs error of a round trip over the unit's tensors."""
+    rel, max_abs = 0.0, 0.0
+    generator = torch.Generator().manual_seed(0)
+    for t in tensors:
+        if t.device.type == "meta":
+            row = t.shape[-1]
+            t = torch.randn(max(1, SYNTHETIC_SAMPLES // row), row, generator=generator).to(t.dtype)
+        err = codec.decode(codec.encode(t), t.dtype).float() - t.float()
+        rel = max(rel, float(err.norm() / t.float().norm().clamp_min(1e-30)))
+        max_abs = max(max_abs, float(err.abs().max()))
+    return rel, max_abs
+
+
+def _codec_roofline_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, config: ProfileConfig) -> float:
+    # Encode reads the tensor and writes the payload; decode reads the payload
+    # and writes the tensor back: twice both sizes of memory traffic.
+    spec = device_spec(config.cost_model)
+    raw = sum(t.numel() * t.element_size() for t in tensors)
+    moved = 2 * (raw + concrete(payload, config.batch, config.seq_len))
+    return op_seconds(spec, 0.0, moved, tensors[0].dtype)
+
+
+def _materialized(node: fx.Node, unit: UnitNodes) -> bool:
+    """True for region values that take memory of their own while recomputing."""
+    target = node.target
+    is_view = isinstance(target, torch._ops.OpOverload) and target.is_view
+    return node not in unit.saved and isinstance(node.meta.get("val"), torch.Tensor) and not is_view
+
+
+def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> RecoveryUnit:
+    """Measure (or estimate) every option's cost for one recovery unit."""
+    size = sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+    transient = sum((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
+                    sympy.Integer(0))
+    seconds, flops, source = _recompute_cost(unit, values, config)
+    float_saved = all(n.meta["val"].is_floating_point() for n in unit.saved)
+    codecs = {
+        name: _codec_cost(name, unit, values, symbols, config)
+        for name in config.codecs if float_saved
+    }
+    dtype = str(unit.saved[0].meta["val"].dtype).removeprefix("torch.")
+    return RecoveryUnit(
+        key=unit.key, layer=unit.layer, kind=unit.kind, op=unit.op, dtype=dtype,
+        bytes=str(size), bytes_at_trace=concrete(size, config.batch, config.seq_len),
+        recompute_from=frontier_keys(unit), recompute_transient=str(transient),
+        recompute_time_s=seconds, recompute_flops=int(flops), recompute_source=source,
+        recomputable=unit.recomputable, not_recomputable_reason=unit.not_recomputable_reason,
+        codecs=codecs,
+    )

@@ -1,0 +1,54 @@
+"""Sizes of graph values as sympy expressions of the batch ``B`` and sequence ``S``.
+
+With dynamic dims, dynamo names the batch and sequence of the first input
+with fresh symbols (``s23``, ``s27``, ...); here they are renamed to the
+trace's ``B`` and ``S`` so every size reads the same in every process.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..tracefile import B, S
+
+
+def _expr(dim: int | torch.SymInt) -> sympy.Expr:
+    if isinstance(dim, torch.SymInt):
+        return dim.node.expr
+    return sympy.Integer(int(dim))
+
+
+def shape_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Map dynamo's symbols of the first 2-D tensor input (token ids) to B and S."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() != 2:
+            continue
+        batch, seq = (_expr(d) for d in val.shape)
+        mapping = {}
+        if isinstance(batch, sympy.Symbol):
+            mapping[batch] = B
+        if isinstance(seq, sympy.Symbol):
+            mapping[seq] = S
+        if mapping:
+            return mapping
+    return {}
+
+
+def nbytes_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
+    """Bytes of the tensor ``node`` produces (numel x element size)."""
+    val = node.meta["val"]
+    numel = sympy.Integer(1)
+    for dim in val.shape:
+        numel *= _expr(dim)
+    return sympy.expand((numel * val.element_size()).subs(symbols))
+
+
+def shape_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> tuple[sympy.Expr, ...]:
+    return tuple(sympy.expand(_expr(d).subs(symbols)) for d in node.meta["val"].shape)
+
+
+def concrete(expr: sympy.Expr, batch: int, seq_len: int) -> int:
+    return int(expr.subs({B: batch, S: seq_len}))

@@ -1,0 +1,159 @@
+"""The tracer: model -> recovery units with measured costs -> ``Trace``.
+
+Runs the first half of the pipeline: capture the joint graph torch.compile
+builds, annotate its saved activations as recovery units, profile each unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .passes.annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
+from .passes.capture import GraphCapture, capture_joint_graphs
+from .passes.profile import ProfileConfig, profile_unit
+from .passes.sizes import concrete, nbytes_expr, shape_symbols
+from .tracefile import RecoveryUnit, Trace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceConfig:
+    """Options of ``trace``."""
+
+    #: ``"measured"`` or ``"roofline:h100"`` / ``"roofline:h200"`` / ``"roofline:a100"``.
+    cost_model: str = "measured"
+    codecs: tuple[str, ...] = ("bf16", "int8", "fp8")
+    warmup: int = 1
+    repeats: int = 5
+    #: Name recorded in the trace (e.g. the built-in model's name).
+    model_name: str = "model"
+    #: Print progress to stderr.
+    verbose: bool = True
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """A loss for tracing when none is given: mean of squares of the first output."""
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    return first.float().pow(2).mean()
+
+
+def _progress(config: TraceConfig) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        if config.verbose:
+            print(f"hilore trace: {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch: int, seq_len: int) -> sympy.Expr:
+    """Activation bytes of per-layer gradient checkpointing at this graph.
+
+    GC keeps each layer's inputs, everything saved outside the layer stack,
+    and during backward one layer's recomputed activations at a time.
+    """
+    boundary: dict[fx.Node, sympy.Expr] = {}
+    for node in joint.graph.nodes:
+        layer = layer_of(module_fqn(node))
+        if node.op != "call_function" or is_backward(node) or layer is None:
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op != "placeholder" and layer_of(module_fqn(arg)) != layer and isinstance(arg.meta.get("val"), torch.Tensor):
+                boundary[arg] = nbytes_expr(arg, symbols)
+    outside = [u for u in units if u.layer is None]
+    per_layer: dict[int, sympy.Expr] = {}
+    for u in units:
+        if u.layer is not None:
+            per_layer[u.layer] = per_layer.get(u.layer, 0) + _unit_bytes(u, symbols)
+    largest = max(per_layer.values(), key=lambda e: concrete(e, batch, seq_len), default=sympy.Integer(0))
+    total = sum(boundary.values(), sympy.Integer(0)) + sum((_unit_bytes(u, symbols) for u in outside), sympy.Integer(0))
+    return sympy.expand(total + largest)
+
+
+def _unit_bytes(unit: UnitNodes, symbols) -> sympy.Expr:
+    return sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+
+
+def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph]) -> str:
+    """Hash of what identifies a model graph: (key, kind, dtype) of every unit
+    and the shapes of the trained parameters; not the batch or sequence size."""
+    h = hashlib.sha256()
+    for key, kind, dtype in sorted(units):
+        h.update(f"{key}|{kind}|{dtype}\n".encode())
+    for graph in graphs:
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad:
+                h.update(f"{tuple(val.shape)}|{val.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    config: TraceConfig = TraceConfig(),
+) -> Trace:
+    """Profile ``model`` on ``example_inputs`` into a ``Trace``.
+
+    The first input must be the (batch, sequence) token ids: its two
+    dimensions become the symbols ``B`` and ``S`` of every size in the trace.
+    ``loss_fn`` maps the model's output to a scalar (default: mean square).
+    """
+    say = _progress(config)
+    start = time.perf_counter()
+    captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss)
+    say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
+    batch, seq_len = example_inputs[0].shape[:2]
+    result = trace_captures(captures, int(batch), int(seq_len), config)
+    say(f"{len(result.units)} recovery units, done in {time.perf_counter() - start:.1f}s")
+    return result
+
+
+def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, config: TraceConfig) -> Trace:
+    """Annotate and profile captured graphs (the tracer's second half)."""
+    say = _progress(config)
+    profile_config = ProfileConfig(cost_model=config.cost_model, warmup=config.warmup,
+                                   repeats=config.repeats, codecs=config.codecs,
+                                   batch=batch, seq_len=seq_len)
+    units: list[RecoveryUnit] = []
+    gc_total, store_total = sympy.Integer(0), sympy.Integer(0)
+    for capture in captures:
+        symbols = shape_symbols(capture.joint.graph)
+        graph_units = annotate_units(capture.joint, capture.saved_names)
+        step = max(1, len(graph_units) // 10)
+        for i, unit in enumerate(graph_units):
+            units.append(profile_unit(unit, capture.values, symbols, profile_config))
+            if (i + 1) % step == 0 or i + 1 == len(graph_units):
+                say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
+        gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len)
+        store_total += sum((_unit_bytes(u, symbols) for u in graph_units), sympy.Integer(0))
+    keys = [u.key for u in units]
+    if len(set(keys)) != len(keys):
+        raise RuntimeError("recovery unit keys collide across graphs; report this model")
+    device = config.cost_model.partition(":")[2] or _device_of(captures)
+    return Trace(
+        fingerprint=fingerprint(((u.key, u.kind, u.dtype) for u in units), (c.joint.graph for c in captures)),
+        model=config.model_name, batch=batch, seq_len=seq_len, device=device,
+        cost_source=config.cost_model, units=tuple(units), gc_bytes=str(gc_total),
+        store_bytes=str(sympy.expand(store_total)),
+        num_layers=len({u.layer for u in units if u.layer is not None}),
+        torch_version=torch.__version__,
+        graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),
+        notes=config.notes,
+    )
+
+
+def _device_of(captures: Sequence[GraphCapture]) -> str:
+    for value in captures[0].values.values():
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"

@@ -1,0 +1,67 @@
+"""``hilore plan TRACE --budget B -o PLAN.json``: plan offline from a trace (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..planfile import Plan
+from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
+from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="trace JSON -> plan JSON (store / compress / recompute per bucket)",
+        description="Solve one ILP per exposure bucket (PuLP + CBC) and write a hilore.plan/v1 file. "
+                    "Needs no model and no torch.",
+    )
+    p.add_argument("trace", help="hilore.trace/v1 JSON file")
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
+                   help=f"activation memory budget (default {DEFAULT_BUDGET}): {ACCEPTED_FORMS}")
+    p.add_argument("--risk", type=float, default=DEFAULT_RISK_BUDGET,
+                   help=f"risk budget: summed sensitivity x exposure per bucket (default {DEFAULT_RISK_BUDGET})")
+    p.add_argument("--buckets", type=int, default=DEFAULT_NUM_BUCKETS,
+                   help=f"number of exposure buckets besides 'zero' (default {DEFAULT_NUM_BUCKETS})")
+    p.add_argument("--codecs", default=None,
+                   help="comma-separated codecs the plan may use, e.g. bf16,int8 (default: all the trace measured)")
+    p.add_argument("--batch", type=int, default=None, help="plan for this batch (default: the traced one)")
+    p.add_argument("--seq-len", type=int, default=None, help="plan for this sequence length (default: traced)")
+    p.add_argument("--time-limit", type=float, default=SolverOptions().time_limit_s,
+                   help="seconds CBC may spend on each bucket's ILP")
+    p.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
+    p.set_defaults(run=run)
+
+
+def summary_lines(plan: Plan) -> list[str]:
+    """One line per bucket: memory against GC and store-all, recovery time, risk, solver."""
+    lines = [f"{plan.model}: budget {plan.budget} = {format_bytes(plan.budget_bytes)} "
+             f"(GC {format_bytes(plan.gc_bytes)}, store-all {format_bytes(plan.store_bytes)})"]
+    for b in plan.buckets:
+        spec = b.bucket
+        if b.skip:
+            lines.append(f"  {spec.name:>6}  exposure 0: skip backward")
+            continue
+        hi = "inf" if math.isinf(spec.hi) else f"{spec.hi:g}"
+        gc = f"{b.memory_bytes / plan.gc_bytes:.2f}x GC" if plan.gc_bytes else ""
+        gap = "" if b.solver.gap is None else f", gap {b.solver.gap:.2%}"
+        lines.append(
+            f"  {spec.name:>6}  exposure [{spec.lo:g}, {hi}) at {spec.exposure:g}: memory "
+            f"{format_bytes(b.memory_bytes)} ({gc}), recovery {format_seconds(b.time_s)}, risk "
+            f"{b.risk:.3g}/{plan.risk_budget:g}{' (proxy sensitivity)' if b.proxy_sensitivity else ''}, "
+            f"{b.solver.status} in {b.solver.seconds:.2f} s{gap}"
+        )
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = solve(
+        args.trace, args.budget, risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs,
+        batch=args.batch, seq_len=args.seq_len, options=SolverOptions(time_limit_s=args.time_limit),
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    path = plan.save(args.output)
+    print("\n".join(summary_lines(plan)))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,288 @@
+"""The solver against brute force, its rules, budgets, errors and scale."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+
+import pulp
+import pytest
+
+from hilore_compiler.planfile import COMPRESS_PREFIX, RECOMPUTE, STORE
+from hilore_compiler.solver import (
+    DEFAULT_RISK_BUDGET,
+    BucketSpec,
+    InfeasibleBudgetError,
+    SolverUnavailableError,
+    cost_model,
+    default_buckets,
+    parse_budget,
+    simulate,
+    solve,
+)
+from hilore_compiler.solver.budget import format_bytes
+from hilore_compiler.solver.memory import plan_risk, rule_violations
+from hilore_compiler.solver.planner import verify
+from hilore_compiler.solver.risk import EXPOSURE_HIGH, PROXY_FACTOR
+from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
+from hilore_compiler.tracefile import Trace
+
+ONE_BUCKET = [BucketSpec("b", 0.0, math.inf, 1.0)]
+RISK = 0.1  # binds on the random graphs: their sensitivities are 0.003..0.1
+
+
+def _model(trace: Trace):
+    return cost_model(trace, batch=trace.batch, seq_len=trace.seq_len,
+                      codecs=sorted({c for u in trace.units for c in u.codecs}))
+
+
+def brute_force(trace: Trace, exposure: float, risk_budget: float) -> list[tuple[int, float]]:
+    """(memory, time) of every assignment that obeys the rules and the risk budget."""
+    model = _model(trace)
+    keys = [u.key for u in model.units]
+    found = []
+    for combo in itertools.product(*(u.options for u in model.units)):
+        decisions = dict(zip(keys, combo))
+        if rule_violations(model, decisions) or plan_risk(model, decisions, exposure) > risk_budget:
+            continue
+        prediction = simulate(model, decisions)
+        found.append((prediction.memory_bytes, prediction.time_s))
+    return found
+
+
+def _check_plan_obeys_model(trace: Trace, decisions: dict[str, str], budget: int, exposure: float,
+                            risk_budget: float) -> None:
+    model = _model(trace)
+    assert rule_violations(model, decisions) == []
+    assert simulate(model, decisions).memory_bytes <= budget
+    assert plan_risk(model, decisions, exposure) <= risk_budget * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ilp_matches_brute_force_optimum(seed):
+    trace = random_trace(seed, num_units=4 + seed % 3)
+    plans = brute_force(trace, 1.0, RISK)
+    least = min(m for m, _ in plans)
+    for budget in (least, (least + trace_bytes(trace)) // 2, least + (trace_bytes(trace) - least) // 5):
+        best = min(t for m, t in plans if m <= budget)
+        plan = solve(trace, budget, risk_budget=RISK, buckets=ONE_BUCKET)
+        got = plan.bucket("b")
+        assert got.time_s == pytest.approx(best, rel=1e-9, abs=1e-15), (seed, budget)
+        assert got.solver.status == "optimal"
+        _check_plan_obeys_model(trace, plan.decisions("b"), budget, 1.0, RISK)
+
+
+def trace_bytes(trace: Trace) -> int:
+    return sum(u.bytes_at_trace for u in trace.units)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_infeasible_budget_names_the_smallest_feasible_one(seed):
+    trace = random_trace(100 + seed, num_units=5)
+    least = min(m for m, _ in brute_force(trace, 1.0, RISK))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(trace, least - 1, risk_budget=RISK, buckets=ONE_BUCKET)
+    message = str(info.value)
+    assert info.value.min_budget_bytes == least
+    assert f"({least} bytes" in message and format_bytes(least) in message and "x-gc" in message
+    # That budget, and one slightly above it, are feasible.
+    for budget in (least, least + 1):
+        plan = solve(trace, budget, risk_budget=RISK, buckets=ONE_BUCKET)
+        assert plan.bucket("b").memory_bytes <= budget
+    ratio = re.search(r"(\d+\.\d+)x-gc", message)[0]
+    assert solve(trace, ratio, risk_budget=RISK, buckets=ONE_BUCKET).bucket("b").memory_bytes <= \
+        parse_budget(ratio).bytes_at(gc_bytes=trace_bytes(trace) // 2, store_bytes=0)
+
+
+def test_larger_budget_never_gives_a_slower_plan():
+    trace = random_trace(7, num_units=7)
+    model = _model(trace)
+    least = min(m for m, _ in brute_force(trace, 1.0, RISK))
+    top = sum(u.bytes for u in model.units)
+    times = []
+    for i in range(12):
+        budget = least + (top - least) * i // 11
+        times.append(solve(trace, budget, risk_budget=RISK, buckets=ONE_BUCKET).bucket("b").time_s)
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:])), times
+    assert times[-1] == 0.0 and times[0] > 0.0  # store-all costs nothing; the least budget does
+
+
+@pytest.fixture(scope="module")
+def plan32():
+    """A 32-layer, 581-unit plan with default buckets, timed."""
+    trace = synthetic_trace()
+    began = time.perf_counter()
+    plan = solve(trace, "1.10x-gc")
+    return trace, plan, time.perf_counter() - began
+
+
+def test_32_layer_trace_solves_well_under_10s_per_bucket(plan32):
+    trace, plan, seconds = plan32
+    assert len(trace.units) > 550
+    solved = [b for b in plan.buckets if not b.skip]
+    for b in solved:
+        assert b.solver.seconds < 8.0, b.solver
+        assert b.solver.gap is not None and b.solver.gap < 0.05
+    print(f"\n32-layer, {len(trace.units)} units: {[round(b.solver.seconds, 2) for b in solved]} s "
+          f"per bucket, {seconds:.1f} s in all, gaps {[f'{b.solver.gap:.2%}' for b in solved]}")
+
+
+def test_every_bucket_fits_the_budget_and_obeys_the_rules(plan32):
+    trace, plan, _ = plan32
+    model = _model(trace)
+    assert plan.bucket_names == ("zero", "b0", "b1", "b2")
+    assert plan.bucket("zero").skip and plan.decisions("zero") == {}
+    for b in plan.buckets[1:]:
+        decisions = plan.decisions(b.bucket.name)
+        assert b.memory_bytes <= plan.budget_bytes
+        assert simulate(model, decisions).memory_bytes == b.memory_bytes
+        assert b.risk <= plan.risk_budget * (1 + 1e-9)
+        for u in model.units:  # recompute never reads a compressed input
+            if decisions[u.key] == RECOMPUTE:
+                assert not any(decisions[v].startswith(COMPRESS_PREFIX) for v in u.recompute_from)
+    # A lower-exposure bucket, with a looser risk bound, is never slower.
+    times = [plan.bucket(n).time_s for n in ("b0", "b1", "b2")]
+    assert times == sorted(times)
+
+
+def test_default_risk_budget_rejects_int8_everywhere_but_not_bf16():
+    trace = synthetic_trace()
+    model = _model(trace)
+    everywhere = {c: {u.key: COMPRESS_PREFIX + c if c in u.codecs else STORE for u in model.units}
+                  for c in ("int8", "bf16")}
+    int8_top = plan_risk(model, everywhere["int8"], EXPOSURE_HIGH)
+    bf16_top = plan_risk(model, everywhere["bf16"], EXPOSURE_HIGH)
+    assert int8_top > 2 * DEFAULT_RISK_BUDGET  # rejected wholesale at high exposure
+    assert bf16_top < 0.5 * DEFAULT_RISK_BUDGET  # cheap
+    assert plan_risk(model, everywhere["int8"], 1.0) <= DEFAULT_RISK_BUDGET  # admitted lower down
+
+
+def test_proxy_sensitivity_is_flagged_and_calibrated_is_not():
+    small = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
+                            batch=2, seq_len=16)
+    proxy = solve(synthetic_trace(small), "0.8x-store", buckets=1)
+    assert proxy.bucket("b0").proxy_sensitivity
+    assert any(str(PROXY_FACTOR) in n for n in proxy.bucket("b0").notes)
+    calibrated = solve(synthetic_trace(SyntheticConfig(**{**_fields(small), "calibrated": True})),
+                       "0.8x-store", buckets=1)
+    assert not calibrated.bucket("b0").proxy_sensitivity and calibrated.bucket("b0").notes == ()
+
+
+def _fields(cfg: SyntheticConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__slots__}
+
+
+def test_other_shape_reevaluates_sizes_and_scales_times():
+    small = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
+                            batch=2, seq_len=16)
+    trace = synthetic_trace(small)
+    here = solve(trace, "0.8x-store", buckets=1, codecs="int8")
+    there = solve(trace, "0.8x-store", buckets=1, codecs="int8", batch=4, seq_len=32)
+    assert (there.batch, there.seq_len) == (4, 32)
+    assert there.gc_bytes == 4 * here.gc_bytes and there.store_bytes == 4 * here.store_bytes
+    unit_here, unit_there = here.units[3], there.units[3]
+    assert unit_there.bytes == 4 * unit_here.bytes
+    cost = {o.option: o.time_s for o in unit_here.options}
+    for o in unit_there.options:
+        assert o.time_s == pytest.approx(4 * cost[o.option])
+    assert any("seconds scaled by bytes" in n for n in there.notes)
+
+
+def test_codec_selection_and_unknown_codec():
+    trace = random_trace(3, num_units=5)
+    plain = solve(trace, "1x-store", risk_budget=RISK, buckets=ONE_BUCKET, codecs=[])
+    assert not any(o.startswith(COMPRESS_PREFIX) for o in plain.decisions("b").values())
+    assert plain.codecs == ()
+    with pytest.raises(ValueError, match=r"unknown codec\(s\) \['zstd'\].*measured \['bf16', 'int8'\]"):
+        solve(trace, "0.9x-store", codecs="int8,zstd")
+
+
+def test_buckets_default_and_explicit():
+    specs = default_buckets(3)
+    assert [s.name for s in specs] == ["b0", "b1", "b2"]
+    assert specs[0].lo == 0.0 and math.isinf(specs[-1].hi)
+    assert all(a.hi == b.lo for a, b in zip(specs, specs[1:]))  # contiguous
+    assert specs[1].exposure / specs[0].exposure == pytest.approx(specs[2].exposure / specs[1].exposure)
+    trace = random_trace(5, num_units=4)
+    plan = solve(trace, "0.9x-store", buckets=[("lo", 0, 1, 1), BucketSpec("hi", 1, math.inf, 8)])
+    assert plan.bucket_names == ("zero", "lo", "hi")
+    for bad in ([("zero", 0, 1, 1)], [("a", 0, 2, 1), ("b", 1, 3, 2)], [("a", 1, 0, 1)], 0, []):
+        with pytest.raises(ValueError):
+            solve(trace, "0.9x-store", buckets=bad)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("123456", 123456), (123456, 123456), ("6GiB", 6 * 2**30), ("750MB", 750 * 10**6),
+    ("1.5 KiB", 1536), ("2kb", 2000), ("1e3", 1000), ("1.10x-gc", 1100), ("0.5x-store", 5000),
+    ("2X-GC", 2000),
+])
+def test_budget_forms(text, expected):
+    assert parse_budget(text).bytes_at(gc_bytes=1000, store_bytes=10000) == expected
+
+
+@pytest.mark.parametrize("text", ["-1GB", "-0.5x-gc", "0", "0x-gc", "abc", "5 parsecs", "1.1x-foo",
+                                  "", "x-gc", None, True, "0.5"])
+def test_bad_budgets_name_the_accepted_forms(text):
+    with pytest.raises(ValueError, match="accepted: .*'6GiB'.*'1.10x-gc'.*'0.5x-store'"):
+        parse_budget(text)
+
+
+def test_negative_risk_budget_and_bad_shape():
+    trace = random_trace(1, num_units=4)
+    with pytest.raises(ValueError, match="risk budget"):
+        solve(trace, "0.9x-store", risk_budget=-1)
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        solve(trace, "0.9x-store", seq_len=0)
+
+
+def test_missing_cbc_says_how_to_get_it(monkeypatch):
+    for name in ("PULP_CBC_CMD", "COIN_CMD"):
+        monkeypatch.setattr(getattr(pulp, name), "available", lambda self: False)
+    with pytest.raises(SolverUnavailableError, match="pip install pulp.*coinor-cbc.*PULP_CBC_CMD"):
+        solve(random_trace(1, num_units=4), "0.9x-store")
+
+
+def test_a_plan_file_is_not_a_trace(tmp_path):
+    trace = random_trace(1, num_units=4)
+    path = solve(trace, "0.9x-store").save(tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="it is a plan, not a trace"):
+        solve(path, "0.9x-store")
+    with pytest.raises(TypeError):
+        solve({"schema": "hilore.trace/v1"}, "0.9x-store")
+
+
+def test_resimulation_rejects_what_the_solver_should_not_return():
+    trace = random_trace(2, num_units=6)
+    model = _model(trace)
+    store_all = {u.key: STORE for u in model.units}
+    with pytest.raises(RuntimeError, match="over the budget"):
+        verify(model, store_all, budget_bytes=trace_bytes(trace) - 1, exposure=1.0, risk_budget=1.0)
+    child = next(u for u in model.units if u.recompute_from and u.recomputable
+                 and model.unit(u.recompute_from[0]).codecs)
+    parent = model.unit(child.recompute_from[0])
+    bad = {**store_all, child.key: RECOMPUTE, parent.key: COMPRESS_PREFIX + next(iter(parent.codecs))}
+    with pytest.raises(ValueError, match="recomputed from compressed"):
+        simulate(model, bad)
+
+
+def test_memory_model_by_hand():
+    """Kept bytes plus the largest per-layer set of rebuilt units and a workspace."""
+    trace = synthetic_trace(SyntheticConfig(num_layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2,
+                                            vocab=8, batch=1, seq_len=1))
+    model = _model(trace)
+    decisions = {u.key: STORE for u in model.units}
+    gate, up = "model.layers.1.mlp.gate_proj:mm:0", "model.layers.1.mlp.up_proj:mm:0"
+    sdpa = "model.layers.0.self_attn:sdpa:0"
+    decisions.update({gate: RECOMPUTE, up: "compress:int8", sdpa: RECOMPUTE})
+    p = simulate(model, decisions)
+    layer1 = model.unit(gate).bytes + model.unit(up).bytes  # recomputed + decoded copy
+    layer0 = model.unit(sdpa).bytes + model.unit(sdpa).recompute_transient
+    assert p.transient_bytes == max(layer0, layer1)
+    kept = sum(u.bytes for u in model.units) - model.unit(gate).bytes - model.unit(sdpa).bytes \
+        - model.unit(up).bytes + model.unit(up).codecs["int8"].bytes
+    assert p.kept_bytes == kept and p.memory_bytes == kept + p.transient_bytes
+    # A recompute chain across layers is refused: layer 1's input from layer 0's recomputed output.
+    chain = {**decisions, "model.layers.1:add:0": RECOMPUTE, "model.layers.0.mlp.down_proj:mm:0": RECOMPUTE}
+    assert any("another layer" in p for p in rule_violations(model, chain))

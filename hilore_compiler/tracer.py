@@ -21,7 +21,7 @@ from .passes.annotate import UnitNodes, annotate_units, is_backward, layer_of, m
 from .passes.capture import GraphCapture, capture_joint_graphs
 from .passes.profile import ProfileConfig, profile_unit
 from .passes.sizes import concrete, nbytes_expr, shape_symbols
-from .tracefile import RecoveryUnit, Trace
+from .tracefile import RecoveryUnit, Trace, parse_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,7 +57,8 @@ def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch:
     """Activation bytes of per-layer gradient checkpointing at this graph.
 
     GC keeps each layer's inputs, everything saved outside the layer stack,
-    and during backward one layer's recomputed activations at a time.
+    and during backward one layer's recomputed activations at a time (the
+    caller adds the largest recompute workspace, known after profiling).
     """
     boundary: dict[fx.Node, sympy.Expr] = {}
     for node in joint.graph.nodes:
@@ -128,13 +129,17 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     gc_total, store_total = sympy.Integer(0), sympy.Integer(0)
     for capture in captures:
         symbols = shape_symbols(capture.joint.graph)
-        graph_units = annotate_units(capture.joint, capture.saved_names)
+        prefix = f"g{capture.index}/" if capture.index else ""
+        graph_units = annotate_units(capture.joint, capture.saved_names, prefix)
         step = max(1, len(graph_units) // 10)
         for i, unit in enumerate(graph_units):
             units.append(profile_unit(unit, capture.values, symbols, profile_config))
             if (i + 1) % step == 0 or i + 1 == len(graph_units):
                 say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
-        gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len)
+        # GC's backward also re-runs one unit's region at a time: its workspace.
+        workspace = max((parse_size(u.recompute_transient) for u in units[-len(graph_units):]),
+                        key=lambda e: concrete(e, batch, seq_len), default=sympy.Integer(0))
+        gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len) + workspace
         store_total += sum((_unit_bytes(u, symbols) for u in graph_units), sympy.Integer(0))
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):

@@ -14,7 +14,7 @@ Modules in pipeline order:
 """
 
 from .advantages import group_advantages
-from .buckets import ZERO, ExposureBuckets, bucket_names, exposure_buckets
+from .buckets import ZERO, ExposureBuckets, bucket_names, exposure_buckets, plan_buckets
 from .coefficients import (
     exposure_before_backward,
     exposure_before_forward,
@@ -53,6 +53,7 @@ __all__ = [
     "grpo_loss",
     "k3_kl",
     "per_token_loss",
+    "plan_buckets",
     "plan_update",
     "sample_exposure",
     "token_coefficients",

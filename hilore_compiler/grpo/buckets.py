@@ -96,3 +96,18 @@ def exposure_buckets(exposures: Tensor, n_buckets: int) -> ExposureBuckets:
     # Interpolated quantiles are monotone in exact arithmetic; make sure of it.
     edges = [max(edges[: i + 1]) for i in range(len(edges))]
     return ExposureBuckets(edges=tuple(edges), names=bucket_names(n_buckets))
+
+
+def plan_buckets(plan: Any, num_sequences: int) -> ExposureBuckets:
+    """The plan's exposure buckets in the units of this batch's exposures.
+
+    Plans state exposure per sample as if the sample were the whole batch
+    (|advantage| ~ 1 gives exposure ~ 1, see ``solver/risk.py``); a sample's
+    exposure in a batch of ``num_sequences`` carries the loss's 1/N
+    normalisation, so the plan's edges are divided by N here.
+    """
+    solved = sorted((b.bucket for b in plan.buckets if not b.skip), key=lambda s: s.exposure)
+    if [s.name for s in solved] != [f"b{i}" for i in range(len(solved))]:
+        raise ValueError(f"plan buckets must be b0..b{len(solved) - 1}, got {[s.name for s in solved]}")
+    inner = [s.hi / num_sequences for s in solved[:-1]]
+    return ExposureBuckets(edges=(0.0, *inner, float("inf")), names=bucket_names(len(solved)))

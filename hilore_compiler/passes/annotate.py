@@ -194,8 +194,11 @@ def _recompute_verdict(region: list[fx.Node]) -> str | None:
     return None
 
 
-def annotate_units(joint: fx.GraphModule, saved_names: set[str]) -> list[UnitNodes]:
+def annotate_units(joint: fx.GraphModule, saved_names: set[str], prefix: str = "") -> list[UnitNodes]:
     """Group the saved forward values named ``saved_names`` into recovery units.
+
+    ``prefix`` keeps keys apart when a model compiles to several graphs
+    (graph breaks): the tracer passes ``g1/``, ``g2/`` for the later ones.
 
     Placeholders (parameters, user inputs) are never units: they stay alive
     regardless of the plan; nor are symbolic ints and hoisted weight values.
@@ -211,7 +214,7 @@ def annotate_units(joint: fx.GraphModule, saved_names: set[str]) -> list[UnitNod
     units = []
     for root, members in groups.items():
         fqn, op = module_fqn(root), op_name(root)
-        key = f"{fqn or '<top>'}:{op}:{index.get(root, 0)}"
+        key = f"{prefix}{fqn or '<top>'}:{op}:{index.get(root, 0)}"
         region, frontier = _region(tuple(members), stops)
         region.sort(key=order.__getitem__)
         reason = _recompute_verdict(region + ([root] if root not in region else []))

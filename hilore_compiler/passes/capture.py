@@ -69,7 +69,7 @@ def _partition_with(recorder: Callable) -> Callable:
     return recorder
 
 
-def _recording_backend(captures: list[GraphCapture], record_values: bool) -> Callable:
+def _recording_backend(captures: list[GraphCapture], record_values: bool, joint_passes: bool = True) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -96,7 +96,9 @@ def _recording_backend(captures: list[GraphCapture], record_values: bool) -> Cal
     return aot_autograd(
         fw_compiler=fw_compiler,
         bw_compiler=bw_compiler,
-        partition_fn=_partition_with(partition),
+        # Inductor's joint passes fold a meta-device graph away (every value is
+        # "uninitialised" there), so models on meta skip them.
+        partition_fn=_partition_with(partition) if joint_passes else partition,
         decompositions=select_decomp_table(),
     )
 
@@ -136,9 +138,15 @@ def capture_joint_graphs(
         for dim in range(min(2, first.dim())):
             torch._dynamo.mark_dynamic(first, dim)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
-    compiled = torch.compile(model, backend=_recording_backend(captures, record_values))
+    on_meta = any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs)
+    backend = _recording_backend(captures, record_values, joint_passes=not on_meta)
+    compiled = torch.compile(model, backend=backend)
+    # The traced backward must leave no trace: restore the caller's grads.
+    grads = {p: p.grad for p in model.parameters()}
     out = compiled(*example_inputs)
     loss_fn(out).backward()
+    for param, grad in grads.items():
+        param.grad = grad
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
     if breaks or len(captures) > 1:
         reasons = list(torch._dynamo.utils.counters["graph_break"])[-max(breaks, 1):]

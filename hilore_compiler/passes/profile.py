@@ -110,19 +110,21 @@ def _recompute_cost(unit: UnitNodes, values: dict[str, Any], config: ProfileConf
 
 def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> CodecCost:
     codec = codec_registry.get_codec(name)
+    tensors = [values[n.name] for n in unit.saved]
+    reason = _unusable_reason(codec, tensors)
+    if reason:
+        raw = sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+        return CodecCost(bytes=str(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
+                         source=config.cost_model, usable=False, reason=reason)
     payload = sum(
         (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.saved),
         sympy.Integer(0),
     )
-    tensors = [values[n.name] for n in unit.saved]
 
     def unusable(reason: str) -> CodecCost:
         return CodecCost(bytes=str(payload), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
 
-    reason = _unusable_reason(codec, tensors)
-    if reason:
-        return unusable(reason)
     try:
         rel, max_abs = _codec_error(codec, tensors)
     except codec_registry.NonFiniteError as e:

@@ -21,12 +21,19 @@ def _expr(dim: int | torch.SymInt) -> sympy.Expr:
 
 
 def shape_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
-    """Map dynamo's symbols of the first 2-D tensor input (token ids) to B and S."""
-    for node in graph.nodes:
-        val = node.meta.get("val")
-        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() != 2:
+    """Map dynamo's batch and sequence symbols to B and S.
+
+    They are the first two dims of the token ids (a 2-D integer input); a
+    graph after a graph break may instead start from hidden states
+    (B, S, C), whose first two dims are then used.
+    """
+    tensors = [n.meta["val"] for n in graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    tensors.sort(key=lambda v: not (v.dim() == 2 and not v.is_floating_point()))
+    for val in tensors:
+        if val.dim() < 2:
             continue
-        batch, seq = (_expr(d) for d in val.shape)
+        batch, seq = (_expr(d) for d in val.shape[:2])
         mapping = {}
         if isinstance(batch, sympy.Symbol):
             mapping[batch] = B

@@ -113,7 +113,8 @@ class HiLoReBackend:
         solved = [b for b in plan.buckets if not b.skip]
         default = max(solved, key=lambda b: b.bucket.exposure).bucket.name
         for bucket in plan.buckets:
-            variant_of.setdefault(bucket.bucket.name, default)
+            # The skip bucket (and any without a variant) runs the default's.
+            variant_of.setdefault(bucket.bucket.name, variant_of[default])
         compiled = CompiledGraph(plan, variants, variant_of, records, time.perf_counter() - start, default)
         self.graphs.append(compiled)
         return _dispatcher(compiled)

@@ -35,6 +35,8 @@ class PartitionRecord:
     #: Bytes of the tensors the partitioned forward graph saves for backward.
     saved_bytes: int = 0
     default_saved_bytes: int = 0
+    #: FLOPs of the partitioned backward graph (recomputed matmuls included).
+    backward_flops: int = 0
     seconds: float = 0.0
 
 
@@ -52,6 +54,31 @@ def saved_tensor_bytes(fw: fx.GraphModule, num_fwd_outputs: int, joint: fx.Graph
         if source is not None and is_activation(source):
             val = source.meta["val"]
             total += val.numel() * val.element_size()
+    return total
+
+
+def graph_flops(gm: fx.GraphModule) -> int:
+    """FLOPs of one run of ``gm``, from its nodes' shapes (nothing is run).
+
+    Uses FlopCounterMode's formulas per op; an op replayed with its forward
+    RNG state (``run_with_rng_state``) counts as the op it wraps.
+    """
+    from torch.utils._pytree import tree_map_only
+    from torch.utils.flop_counter import flop_registry
+
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target, args = node.target, node.args
+        if target is getattr(torch.ops.higher_order, "run_with_rng_state", None):
+            target, args = args[1], args[2:]
+        formula = flop_registry.get(getattr(target, "overloadpacket", None))
+        if formula is None:
+            continue
+        vals, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (args, node.kwargs))
+        out = node.meta["val"]
+        total += formula(*vals, **kwargs, out_val=out)
     return total
 
 
@@ -94,6 +121,7 @@ class PlanPartitioner(CustomPartitionerFn):
         record.units, record.counts = len(units), apply_decisions(gm, units, decisions)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         record.saved_bytes = saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], gm)
+        record.backward_flops = graph_flops(bw)
         record.seconds = time.perf_counter() - start
         self.records.append(record)
         return fw, bw

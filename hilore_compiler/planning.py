@@ -9,6 +9,7 @@ trace when one is given; a plan for another model is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -47,11 +48,21 @@ def graph_shape(example_inputs: Sequence[Any]) -> tuple[int, int]:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """Hash of hilore's own source: a cached plan made by other code is stale."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
-    """Key of a zero-config plan: graph code, input shapes and planning options."""
+    """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
     shapes = [(tuple(x.shape), str(x.dtype)) for x in example_inputs if isinstance(x, torch.Tensor)]
     planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets]
-    text = json.dumps([CACHE_VERSION, torch.__version__, gm.code, repr(shapes), planning], default=str)
+    text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), planning],
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

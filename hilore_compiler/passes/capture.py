@@ -9,7 +9,6 @@ tracing cheap and works on the meta device.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -63,7 +62,16 @@ def _partition_with(recorder: Callable) -> Callable:
 
     partition_fn = getattr(inductor_compile_fx, "partition_fn", None)
     if partition_fn is not None and "partitioner_fn_override" in inspect.signature(partition_fn).parameters:
-        return functools.partial(partition_fn, partitioner_fn_override=recorder)
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        def with_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            # Inductor's joint passes (the RNG seed pass among them) read the
+            # fake mode from V, which compile_fx sets and we must set too.
+            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+                return partition_fn(joint, joint_inputs, partitioner_fn_override=recorder, **kwargs)
+
+        return with_joint_passes
     # Older torch: no override hook; the joint graph then lacks Inductor's
     # joint passes, which changes only which cheap ops min-cut may recompute.
     return recorder
@@ -134,13 +142,21 @@ def capture_joint_graphs(
     check_trainable(model, example_inputs)
     captures: list[GraphCapture] = []
     if dynamic:
-        first = example_inputs[0]
+        # mark_dynamic sticks to the tensor: mark a copy, not the caller's.
+        first = example_inputs[0].clone()
         for dim in range(min(2, first.dim())):
             torch._dynamo.mark_dynamic(first, dim)
+        example_inputs = [first, *example_inputs[1:]]
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     on_meta = any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs)
     backend = _recording_backend(captures, record_values, joint_passes=not on_meta)
-    compiled = torch.compile(model, backend=backend)
+    # Compile a wrapper, not the model: dynamo remembers per code object
+    # which dims it saw dynamic, and a later torch.compile(model) would
+    # otherwise start dynamic too.
+    def traced(*args: Any) -> Any:
+        return model(*args)
+
+    compiled = torch.compile(traced, backend=backend)
     # The traced backward must leave no trace: restore the caller's grads.
     grads = {p: p.grad for p in model.parameters()}
     out = compiled(*example_inputs)

@@ -187,8 +187,11 @@ def _materialized(node: fx.Node, unit: UnitNodes) -> bool:
 def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> RecoveryUnit:
     """Measure (or estimate) every option's cost for one recovery unit."""
     size = sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
-    transient = sum((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
-                    sympy.Integer(0))
+    # Workspace: the largest single intermediate. Inductor fuses the
+    # pointwise chains of a region, so its intermediates are not all alive at
+    # once; summing them would overstate what recomputation holds.
+    transient = max((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
+                    key=lambda e: concrete(e, config.batch, config.seq_len), default=sympy.Integer(0))
     seconds, flops, source = _recompute_cost(unit, values, config)
     float_saved = all(n.meta["val"].is_floating_point() for n in unit.saved)
     codecs = {

@@ -8,12 +8,14 @@ a plan is made:
 - ``memory``:  the memory / time model at a shape; ``simulate`` re-checks plans.
 - ``ilp``:     the ILP per bucket (PuLP + CBC) and the min-memory ILP.
 - ``planner``: ``solve`` ties them together and verifies every answer.
+- ``fixed``:   plans with given decisions (baselines), checked the same way.
 - ``pareto``:  the memory-time curve over a range of budgets.
 - ``synthetic``: roofline-costed decoder traces for tests and demos.
 """
 
 from ..planfile import BucketSpec
 from .budget import Budget, format_bytes, parse_budget
+from .fixed import fixed_plan, uniform_codec
 from .ilp import SolverOptions, SolverUnavailableError
 from .memory import CostModel, Prediction, cost_model, simulate
 from .pareto import ParetoCurve, ParetoPoint, pareto_curve
@@ -24,5 +26,5 @@ __all__ = [
     "Budget", "BucketSpec", "CostModel", "DEFAULT_BUDGET", "DEFAULT_NUM_BUCKETS",
     "DEFAULT_RISK_BUDGET", "InfeasibleBudgetError", "PROXY_FACTOR", "ParetoCurve", "ParetoPoint",
     "Prediction", "SolverOptions", "SolverUnavailableError", "cost_model", "default_buckets",
-    "format_bytes", "pareto_curve", "parse_budget", "simulate", "solve",
+    "fixed_plan", "format_bytes", "pareto_curve", "parse_budget", "simulate", "solve", "uniform_codec",
 ]

@@ -1,0 +1,107 @@
+"""Time and peak memory of one step, with the definition DESIGN.md "Measuring" gives.
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
+  minus what was allocated before the step.
+- CPU: ``VmHWM`` after the step minus ``VmRSS`` before it, with the high-water
+  mark reset by writing ``5`` to ``/proc/self/clear_refs`` just before the
+  step. The process must run with ``MALLOC_MMAP_THRESHOLD_=65536`` (set by the
+  runner when it spawns the worker) so that large tensors are mmapped and go
+  back to the OS when freed; otherwise freed memory stays in the process and
+  the next step's peak is hidden inside RSS already counted "before".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: The glibc tunable (bytes) that makes the CPU peak measurable, see the module docstring.
+MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+#: Writing this to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+_RESET_PEAK_RSS = "5"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepSample:
+    """One measured step."""
+
+    #: Wall seconds of the step (CUDA: synchronised before and after).
+    seconds: float
+    #: Peak bytes the step added over what the process held before it.
+    peak_bytes: int
+
+
+def status_bytes(field: str) -> int:
+    """A ``VmXXX`` field of ``/proc/self/status`` in bytes (the file says kB = KiB)."""
+    with open(_STATUS) as f:
+        text = f.read()
+    match = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{_STATUS} has no {field} line; CPU peak memory needs Linux procfs")
+    return int(match.group(1)) * 1024
+
+
+def reset_peak_rss() -> None:
+    """Make ``VmHWM`` equal the current ``VmRSS``."""
+    with open(_CLEAR_REFS, "w") as f:
+        f.write(_RESET_PEAK_RSS)
+
+
+def cpu_peak_supported() -> bool:
+    """True if this process can reset and read its RSS high-water mark."""
+    return os.path.exists(_STATUS) and os.access(_CLEAR_REFS, os.W_OK)
+
+
+def mmap_threshold_set() -> bool:
+    """True if this process was started with the malloc setting the CPU peak needs."""
+    return all(os.environ.get(k) == v for k, v in MMAP_THRESHOLD_ENV.items())
+
+
+def measure_cpu(step: Callable[[], object]) -> StepSample:
+    """Run ``step`` once on CPU; peak = VmHWM after - VmRSS before."""
+    reset_peak_rss()
+    before = status_bytes("VmRSS")
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    return StepSample(seconds=seconds, peak_bytes=status_bytes("VmHWM") - before)
+
+
+def measure_cuda(step: Callable[[], object], device: torch.device) -> StepSample:
+    """Run ``step`` once on CUDA; peak = max_memory_allocated - allocated before."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize(device)  # kernels are asynchronous: wait before reading the clock
+    seconds = time.perf_counter() - start
+    return StepSample(seconds=seconds, peak_bytes=torch.cuda.max_memory_allocated(device) - before)
+
+
+def measure_step(step: Callable[[], object], device: torch.device | str) -> StepSample:
+    """Time ``step`` and measure its peak memory on ``device`` (``cpu`` or ``cuda``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return measure_cuda(step, device)
+    if device.type == "cpu":
+        return measure_cpu(step)
+    raise ValueError(f"peak memory is defined for cpu and cuda, not {device.type!r}")
+
+
+def gradient_fidelity(grad: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(cosine, relative L2 error) of a flattened gradient against the exact one, in fp64."""
+    if grad.shape != exact.shape:
+        raise ValueError(f"gradients of different models: {tuple(grad.shape)} vs {tuple(exact.shape)}")
+    g, e = grad.double(), exact.double()
+    cosine = float(torch.dot(g, e) / (g.norm() * e.norm()).clamp_min(torch.finfo(torch.float64).tiny))
+    rel_l2 = float((g - e).norm() / e.norm().clamp_min(torch.finfo(torch.float64).tiny))
+    return cosine, rel_l2

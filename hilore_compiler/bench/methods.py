@@ -1,0 +1,255 @@
+"""How each benchmarked method turns the policy into a compiled model.
+
+Every method compiles the same policy with ``torch.compile``; they differ only
+in what the backward pass gets to keep:
+
+- ``store-all``: Inductor defaults (its min-cut partition), the speed ceiling.
+- ``gc``: ``torch.utils.checkpoint`` (non-reentrant) around every decoder layer.
+- ``sac``: selective activation checkpointing as torchtitan does it: inside
+  each layer, matmul and attention outputs are saved, the rest recomputed.
+- ``pt-budget``: PyTorch's memory-budget partitioner
+  (``torch._functorch.config.activation_memory_budget``, a knapsack over
+  recompute only); the runner searches the budget so its peak matches HiLoRe's.
+- ``uniform-int8``: the hilore backend with a plan that compresses every
+  recovery unit int8 can encode and stores the rest: compression without
+  exposure or cost awareness.
+- ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``.
+
+The token log-probs and the GRPO loss run eagerly after the compiled policy,
+as ``grpo.actor_update`` runs them, identically for every method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._functorch.config  # not imported by ``import torch``; holds activation_memory_budget
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from ..planfile import Plan
+
+#: Method names in the order they are set up (``hilore`` before
+#: ``uniform-int8``, which reuses the trace the hilore worker cached, and
+#: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
+METHODS = ("store-all", "gc", "sac", "hilore", "uniform-int8", "pt-budget")
+
+#: How the report names each method.
+LABELS = {
+    "store-all": "store-all",
+    "gc": "GC",
+    "sac": "selective AC",
+    "pt-budget": "PT mem-budget",
+    "uniform-int8": "uniform int8",
+    "hilore": "HiLoRe",
+}
+
+#: Methods that run the hilore backend (and so pick an exposure bucket).
+HILORE_BACKENDS = ("hilore", "uniform-int8")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MethodOptions:
+    """What the methods need besides the model; the same for every worker of a run."""
+
+    #: HiLoRe's memory budget (``"1.10x-gc"``: the paper's ceiling).
+    hilore_budget: str = "1.10x-gc"
+    #: Codecs HiLoRe's plan may use.
+    hilore_codecs: tuple[str, ...] = ("bf16", "int8")
+    #: Non-zero exposure buckets of HiLoRe's plan.
+    hilore_buckets: int = 3
+    #: Where the hilore backend caches traces and plans; shared by the workers
+    #: of one run so that ``uniform-int8`` reuses the trace ``hilore`` made.
+    hilore_cache_dir: str = ""
+    #: The codec of the ``uniform-int8`` baseline.
+    uniform_codec: str = "int8"
+    #: ``activation_memory_budget`` of ``pt-budget`` in [0, 1]; set per worker.
+    activation_memory_budget: float | None = None
+    #: Print the hilore backend's planning messages (into the worker's log).
+    verbose: bool = True
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> MethodOptions:
+        """Inverse of ``dataclasses.asdict`` (JSON turns tuples into lists)."""
+        return cls(**{**obj, "hilore_codecs": tuple(obj["hilore_codecs"])})
+
+
+@dataclass(slots=True, kw_only=True)
+class PreparedMethod:
+    """A compiled policy and what its first call must run under."""
+
+    name: str
+    #: ``policy(input_ids (B, T)) -> logits (B, T, V)``, compiled lazily by torch.compile.
+    policy: Callable[[torch.Tensor], torch.Tensor]
+    #: Context for the first call, where dynamo, AOTAutograd and Inductor run.
+    compile_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    #: The hilore backend object, for its plan and partition records.
+    backend: Any = None
+
+
+class Checkpointed(nn.Module):
+    """Runs the wrapped decoder layer under non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, layer: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.context_fn = context_fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.context_fn is None:
+            # Not ``context_fn=noop_context_fn``: dynamo (torch 2.13) cannot
+            # trace a plain function held by a module as ``context_fn``.
+            return checkpoint(self.layer, *args, use_reentrant=False)
+        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=self.context_fn)
+
+
+def _sac_save_ops() -> frozenset:
+    """The ops whose outputs selective AC saves: matmuls and every attention kernel.
+
+    Looked up by name because the set of SDPA kernels differs across builds.
+    """
+    aten = torch.ops.aten
+    names = ("mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _sac_policy(save: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # PREFER (not MUST) recompute: the partitioner may still save a value it
+    # finds cheaper to keep, as torchtitan's policy allows.
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn() -> Callable[[], Any]:
+    """``context_fn`` for ``checkpoint``: save matmul and attention outputs, recompute the rest."""
+    policy = functools.partial(_sac_policy, _sac_save_ops())
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None) -> nn.Module:
+    """Put every ``model.layers[i]`` under checkpoint, in place; parameter order is kept."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = Checkpointed(layer, context_fn)
+    return model
+
+
+def uniform_plan(trace: Any, codec: str) -> Plan:
+    """A plan with ``compress:<codec>`` on every unit where the codec is usable, else ``store``.
+
+    One bucket (one compiled variant): the decisions ignore exposure and cost.
+    ``solver.fixed`` checks them against the rules and predicts their bytes.
+    """
+    from ..solver import fixed_plan, uniform_codec
+
+    return fixed_plan(trace, uniform_codec(codec), buckets=1, label=f"uniform-{codec}")
+
+
+class UniformCodecBackend:
+    """A dynamo backend: the hilore backend with ``uniform_plan`` of the graph's trace.
+
+    The trace is the one the hilore planner caches for the same options (the
+    ``hilore`` method's), so with a shared cache directory it is the trace the
+    hilore worker already made, even when HiLoRe's own solve failed.
+    """
+
+    def __init__(self, options: dict[str, Any], codec: str) -> None:
+        from ..backend import BackendOptions, HiLoReBackend
+
+        self.options = BackendOptions.from_mapping(options)
+        self.codec = codec
+        self.inner = HiLoReBackend(self.options)
+
+    @property
+    def graphs(self) -> list:
+        return self.inner.graphs
+
+    def _trace(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from ..planning import cache_key, graph_shape, trace_graph
+        from ..tracefile import load_trace
+
+        key = cache_key(gm, example_inputs, self.options)
+        path = Path(self.options.cache_dir).expanduser() / f"{key}.trace.json"
+        if path.exists():
+            return load_trace(path)
+        trace = trace_graph(gm, example_inputs, self.options, *graph_shape(example_inputs),
+                            name=f"graph-{key[:8]}")
+        trace.save(path)
+        return trace
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        plan = uniform_plan(self._trace(gm, example_inputs), self.codec)
+        self.inner.options = dataclasses.replace(self.options, plan=plan)
+        return self.inner(gm, example_inputs)
+
+
+def _hilore_options(options: MethodOptions) -> dict[str, Any]:
+    return {"memory_budget": options.hilore_budget, "codecs": options.hilore_codecs,
+            "buckets": options.hilore_buckets, "cache_dir": options.hilore_cache_dir,
+            "verbose": options.verbose}
+
+
+def prepare_method(name: str, model: nn.Module, options: MethodOptions) -> PreparedMethod:
+    """Wrap and ``torch.compile`` ``model`` (in place) the way method ``name`` runs it."""
+    if name == "store-all":
+        return PreparedMethod(name=name, policy=torch.compile(model))
+    if name == "gc":
+        return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model)))
+    if name == "sac":
+        return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, selective_context_fn())))
+    if name == "pt-budget":
+        budget = options.activation_memory_budget
+        if budget is None or not 0.0 <= budget <= 1.0:
+            raise ValueError(f"pt-budget needs activation_memory_budget in [0, 1], got {budget}")
+        # The partitioner reads the budget when the first call compiles; the
+        # patch is per process anyway, as every method runs in its own.
+        patch = functools.partial(torch._functorch.config.patch, activation_memory_budget=budget)
+        return PreparedMethod(name=name, policy=torch.compile(model), compile_context=patch)
+    if name in HILORE_BACKENDS:
+        from ..backend import HiLoReBackend
+
+        hilore = _hilore_options(options)
+        backend = (HiLoReBackend(hilore) if name == "hilore"
+                   else UniformCodecBackend(hilore, options.uniform_codec))
+        return PreparedMethod(name=name, policy=torch.compile(model, backend=backend), backend=backend)
+    raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
+
+
+def plan_summary(backend: Any) -> dict[str, Any]:
+    """What a hilore backend compiled: graphs, decision counts, predicted and saved bytes."""
+    graphs = getattr(backend, "graphs", None) or []
+    out: dict[str, Any] = {"graphs": len(graphs)}
+    if not graphs:
+        return out
+    plan = graphs[0].plan
+    out.update(budget=plan.budget, budget_bytes=plan.budget_bytes, gc_bytes=plan.gc_bytes,
+               store_bytes=plan.store_bytes,
+               predicted_memory_bytes={b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip})
+    out["records"] = [
+        {"bucket": r.bucket, "counts": dict(r.counts), "saved_bytes": r.saved_bytes,
+         "default_saved_bytes": r.default_saved_bytes}
+        for g in graphs for r in g.records
+    ]
+    return out
+
+
+def choose_bucket(backend: Any, exposures: torch.Tensor) -> str | None:
+    """The plan's bucket for a microbatch holding every sample: that of the largest exposure.
+
+    One forward runs the whole batch under one bucket, so it must be the
+    bucket that covers its most exposed sample. None when nothing was planned.
+    """
+    graphs = getattr(backend, "graphs", None) or []
+    if not graphs:
+        return None
+    return graphs[0].plan.bucket_for(float(exposures.max()))

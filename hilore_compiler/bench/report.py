@@ -1,0 +1,290 @@
+"""Turn a ``BenchRun`` into statistics, the paper's targets, a table, JSON and a PNG.
+
+Throughput is tokens per second of one step (B x T tokens), the median over
+the measured steps of all rounds, with min/max and quartiles as spread;
+peak memory is the median per-step peak. Both are reported as ratios to GC,
+the baseline the paper's ceiling and speed-ups are stated against.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..jsonio import write_json_atomic
+from .methods import LABELS
+from .runner import BenchRun, MethodRun
+
+BENCH_SCHEMA = "hilore.bench/v1"
+
+#: The paper's memory ceiling: HiLoRe's peak at most 1.10 x GC's actor-update peak.
+MEMORY_CEILING = 1.10
+#: The paper's speed-ups: up to +13.5% over GC and +7.9% over the fastest
+#: other baseline (that fits the ceiling).
+SPEEDUP_VS_GC = 1.135
+SPEEDUP_VS_BEST = 1.079
+#: The project's fidelity target: gradient cosine to exact (store-all).
+MIN_COSINE = 0.999
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spread:
+    """Median and spread of repeated measurements."""
+
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        if len(values) == 1:
+            return cls(median=values[0], min=values[0], max=values[0], q1=values[0], q3=values[0])
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(median=statistics.median(values), min=min(values), max=max(values), q1=q1, q3=q3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MethodStats:
+    """One row of the table."""
+
+    method: str
+    label: str
+    status: str
+    error: str | None
+    tokens_per_s: Spread | None
+    peak_bytes: Spread | None
+    #: Ratios to GC's medians (None without GC or without data).
+    speed_vs_gc: float | None
+    peak_vs_gc: float | None
+    cosine: float | None
+    rel_l2: float | None
+    compile_s: float | None
+    note: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """One of the paper's claims checked on this run; ``met`` None: not evaluable."""
+
+    name: str
+    value: float | None
+    threshold: float
+    #: ``">="`` or ``"<="``: how ``value`` must compare with ``threshold``.
+    sense: str
+    met: bool | None
+    detail: str
+
+
+def method_note(run: MethodRun) -> str:
+    """What else a reader needs to know about a row (budget, bucket, failure)."""
+    if run.status != "ok":
+        return "FAILED: " + (run.error or "").splitlines()[0][:100]
+    if "activation_memory_budget" in run.info:
+        return f"budget {run.info['activation_memory_budget']:g}"
+    if run.info.get("bucket"):
+        return f"bucket {run.info['bucket']}"
+    return ""
+
+
+def method_stats(run: MethodRun, tokens: int, gc: MethodRun | None) -> MethodStats:
+    """Statistics of one method; ratios against ``gc``'s medians when it has data."""
+    tps = Spread.of([tokens / s.seconds for s in run.samples]) if run.samples else None
+    peak = Spread.of([float(s.peak_bytes) for s in run.samples]) if run.samples else None
+    gc_tps = Spread.of([tokens / s.seconds for s in gc.samples]).median if gc and gc.samples else None
+    gc_peak = statistics.median(s.peak_bytes for s in gc.samples) if gc and gc.samples else None
+    fidelity = run.fidelity or {}
+    return MethodStats(
+        method=run.method, label=LABELS[run.method], status=run.status, error=run.error,
+        tokens_per_s=tps, peak_bytes=peak,
+        speed_vs_gc=tps.median / gc_tps if tps and gc_tps else None,
+        peak_vs_gc=peak.median / gc_peak if peak and gc_peak else None,
+        cosine=fidelity.get("cosine"), rel_l2=fidelity.get("rel_l2"),
+        compile_s=run.compile_s, note=method_note(run),
+    )
+
+
+def _compare(name: str, value: float | None, threshold: float, sense: str, missing: str) -> Target:
+    if value is None:
+        return Target(name=name, value=None, threshold=threshold, sense=sense, met=None, detail=missing)
+    met = value >= threshold if sense == ">=" else value <= threshold
+    margin = (value / threshold - 1) * 100
+    return Target(name=name, value=value, threshold=threshold, sense=sense, met=met,
+                  detail=f"{value:.4g} vs {sense} {threshold:g} ({margin:+.1f}%)")
+
+
+def best_fitting_baseline(stats: dict[str, MethodStats]) -> MethodStats | None:
+    """The fastest method other than HiLoRe whose peak fits MEMORY_CEILING x GC's."""
+    fits = [s for m, s in stats.items() if m != "hilore" and s.tokens_per_s and s.peak_vs_gc is not None
+            and s.peak_vs_gc <= MEMORY_CEILING]
+    return max(fits, key=lambda s: s.tokens_per_s.median, default=None)
+
+
+def targets(stats: dict[str, MethodStats]) -> list[Target]:
+    """The paper's claims on this run: memory ceiling, the two speed-ups, gradient fidelity."""
+    h = stats.get("hilore")
+    speed = h.tokens_per_s.median if h and h.tokens_per_s else None
+    best = best_fitting_baseline(stats)
+    vs_best = speed / best.tokens_per_s.median if speed and best else None
+    return [
+        _compare("HiLoRe peak / GC peak", h.peak_vs_gc if h else None, MEMORY_CEILING, "<=",
+                 "needs HiLoRe and GC measurements"),
+        _compare("HiLoRe speed / GC speed", h.speed_vs_gc if h else None, SPEEDUP_VS_GC, ">=",
+                 "needs HiLoRe and GC measurements"),
+        _compare(f"HiLoRe speed / fastest fitting baseline ({best.label if best else '-'})", vs_best,
+                 SPEEDUP_VS_BEST, ">=", "needs HiLoRe and a baseline within the ceiling"),
+        _compare("HiLoRe gradient cosine", h.cosine if h else None, MIN_COSINE, ">=",
+                 "needs HiLoRe and store-all gradients"),
+    ]
+
+
+def recovered_fraction(stats: dict[str, MethodStats]) -> float | None:
+    """(t_GC - t_HiLoRe) / (t_GC - t_store): the share of GC's recompute overhead HiLoRe removes."""
+    times = {m: 1.0 / s.tokens_per_s.median for m, s in stats.items() if s.tokens_per_s}
+    if not all(m in times for m in ("gc", "hilore", "store-all")):
+        return None
+    overhead = times["gc"] - times["store-all"]
+    if overhead <= 0:
+        return None  # GC no slower than store-all: nothing to recover (noise dominates)
+    return (times["gc"] - times["hilore"]) / overhead
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Where the run happened: enough to tell two result files apart."""
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "machine": platform.machine(),
+           "processor": platform.processor(), "cpu_count": os.cpu_count(),
+           "loadavg_end": list(os.getloadavg()), "device": device}
+    if device == "cuda":
+        env["cuda_device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchReport:
+    """The statistics and verdicts of one run."""
+
+    run: BenchRun
+    stats: tuple[MethodStats, ...]
+    targets: tuple[Target, ...]
+    recovered: float | None
+    environment: dict[str, Any]
+
+
+def summarise(run: BenchRun) -> BenchReport:
+    """Statistics per method, targets and the recovered share of GC's overhead."""
+    tokens = run.config.batch * run.config.seq_len
+    gc = next((r for r in run.runs if r.method == "gc"), None)
+    stats = {r.method: method_stats(r, tokens, gc) for r in run.runs}
+    return BenchReport(run=run, stats=tuple(stats.values()), targets=tuple(targets(stats)),
+                       recovered=recovered_fraction(stats), environment=environment(run.device))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: BenchReport) -> str:
+    """The side-by-side table: throughput and peak as values and as ratios to GC."""
+    head = (f"{'method':<15}{'tokens/s':>10} {'[min - max]':<17}{'x GC':>6}{'peak MB':>10}"
+            f"{'x GC':>7}{'grad cos':>11}{'rel err':>9}  note")
+    lines = [head, "-" * len(head)]
+    for s in report.stats:
+        t, p = s.tokens_per_s, s.peak_bytes
+        spread = f"[{t.min:.0f} - {t.max:.0f}]" if t else ""
+        lines.append(
+            f"{s.label:<15}{_fmt(t and t.median, '.0f'):>10} {spread:<17}{_fmt(s.speed_vs_gc, '.3f'):>6}"
+            f"{_fmt(p and p.median / 1e6, '.1f'):>10}{_fmt(s.peak_vs_gc, '.3f'):>7}"
+            f"{_fmt(s.cosine, '.6f'):>11}{_fmt(s.rel_l2, '.1e'):>9}  {s.note}")
+    return "\n".join(lines)
+
+
+def format_targets(report: BenchReport) -> str:
+    """One line per target (met / MISSED / not evaluated), then the ceiling and the recovery."""
+    lines = []
+    for t in report.targets:
+        verdict = {True: "met   ", False: "MISSED", None: "n/a   "}[t.met]
+        lines.append(f"  [{verdict}] {t.name}: {t.detail}")
+    stats = {s.method: s for s in report.stats}
+    store = stats.get("store-all")
+    if store and store.tokens_per_s:
+        lines.append(f"  store-all (ceiling): {store.tokens_per_s.median:.0f} tokens/s, "
+                     f"{_fmt(store.speed_vs_gc, '.3f')} x GC, peak {_fmt(store.peak_vs_gc, '.2f')} x GC")
+    if report.recovered is not None:
+        lines.append(f"  HiLoRe recovers {report.recovered * 100:.0f}% of GC's recompute overhead "
+                     "((t_GC - t_HiLoRe) / (t_GC - t_store))")
+    elif stats.get("gc") and stats["gc"].speed_vs_gc and store and store.speed_vs_gc and store.speed_vs_gc <= 1:
+        lines.append("  recovered share of GC's overhead: undefined (GC was not slower than store-all)")
+    return "\n".join(lines)
+
+
+def to_json(report: BenchReport) -> dict[str, Any]:
+    """The result file: configuration, environment, per-method data, targets."""
+    run = report.run
+    methods = []
+    for s, r in zip(report.stats, run.runs):
+        methods.append({**asdict(s), "info": r.info, "fidelity": r.fidelity,
+                        "samples": [asdict(x) for x in r.samples],
+                        "warmup": [asdict(x) for x in r.warmup]})
+    return {
+        "schema": BENCH_SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": asdict(run.config),
+        "device": run.device,
+        "environment": report.environment,
+        "tokens_per_step": run.config.batch * run.config.seq_len,
+        "methods": methods,
+        "budget_search": run.budget_search.to_json() if run.budget_search else None,
+        "targets": [asdict(t) for t in report.targets],
+        "recovered_fraction": report.recovered,
+        "run_dir": run.run_dir,
+    }
+
+
+def save_json(report: BenchReport, path: str | os.PathLike) -> Path:
+    """Write the result file atomically."""
+    return write_json_atomic(path, to_json(report))
+
+
+def save_png(report: BenchReport, path: str | os.PathLike) -> Path | None:
+    """Throughput against peak memory, one point per method; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # no display; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gc_peak = None
+    for s in report.stats:
+        if not (s.tokens_per_s and s.peak_bytes):
+            continue
+        t, x = s.tokens_per_s, s.peak_bytes.median / 1e6
+        ax.errorbar([x], [t.median], yerr=[[t.median - t.min], [t.max - t.median]], fmt="o", capsize=3)
+        ax.annotate(s.label, (x, t.median), textcoords="offset points", xytext=(5, 5))
+        if s.method == "gc":
+            gc_peak = x
+    if gc_peak is not None:
+        ax.axvline(MEMORY_CEILING * gc_peak, linestyle="--", color="grey", label="1.10 x GC peak")
+        ax.legend(loc="lower right")
+    cfg = report.run.config
+    ax.set(xlabel="peak memory of the step (MB)", ylabel="tokens / s (median, min-max)",
+           title=f"{cfg.model}, B={cfg.batch}, T={cfg.seq_len}, {report.run.device}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)  # readers never see a half-written image, as with the JSON
+    return path

@@ -1,0 +1,322 @@
+"""The driver: one worker process per method, set up in turn, then measured in alternating rounds.
+
+Each method runs in its own long-lived process (``worker.py``), spawned with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that its CPU peak is measurable, and
+driven over a pipe. Only one worker runs at a time: setup (compile, warm-up,
+gradient of the fixed batch) goes method by method, then every round asks
+each live worker, in an order rotated by one per round, for
+``steps_per_round`` measured steps. Alternating spreads slow phases of a
+shared machine over all methods instead of one.
+
+Caches: unless ``cache_dir`` is given, the workers of one run share a fresh
+temporary Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and hilore cache, so
+runs are independent of each other but methods share compiled kernels and
+``uniform-int8`` reuses the trace ``hilore`` made. With ``cache_dir`` they
+persist there across runs (faster, for repeated runs of one configuration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .measure import MMAP_THRESHOLD_ENV, StepSample, gradient_fidelity
+from .methods import METHODS, MethodOptions
+from .search import BudgetSearch, search_budget
+from .worker import WorkerConfig
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """What ``hilore bench`` runs. Defaults: the paper's setting (2K-token responses) scaled to a CPU."""
+
+    #: Built-in policy (``hilore_compiler.models``).
+    model: str = "small"
+    batch: int = 2
+    #: Tokens per sequence (prompt + response); all but the first are response tokens.
+    seq_len: int = 2048
+    #: Methods to run (see ``methods.METHODS``); set up in the order of METHODS.
+    methods: tuple[str, ...] = METHODS
+    #: Rounds of alternation.
+    repeats: int = 5
+    #: Measured steps per method per round.
+    steps_per_round: int = 2
+    #: Measured steps right after compiling, not counted in the rounds
+    #: (their peaks steer the pt-budget search).
+    warmup: int = 2
+    #: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
+    device: str = "auto"
+    #: Seeds the weights and the batch.
+    seed: int = 0
+    #: Threads per worker (None: torch's default).
+    threads: int | None = None
+    #: HiLoRe's memory budget.
+    hilore_budget: str = "1.10x-gc"
+    #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
+    pt_budget: float | None = None
+    #: Processes (compiles) the pt-budget search may spend.
+    budget_probes: int = 4
+    #: Persistent cache directory; None: a fresh temporary one per run.
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(METHODS)}")
+        for name in ("batch", "repeats", "steps_per_round", "budget_probes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2 or self.warmup < 0:
+            raise ValueError("seq_len must be >= 2 and warmup >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:
+            raise ValueError(f"pt_budget must be in [0, 1], got {self.pt_budget}")
+
+
+#: ``--quick``: the whole pipeline on the tiny policy in a few minutes of compiling.
+QUICK = {"model": "tiny", "seq_len": 128, "repeats": 3, "steps_per_round": 2, "warmup": 1,
+         "budget_probes": 2}
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` if available else ``cpu``; others unchanged."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class WorkerError(RuntimeError):
+    """A worker answered with an error or died; the message says which and why."""
+
+
+class WorkerProcess:
+    """A running worker and the pipe to it; its stderr goes to ``log_path``."""
+
+    def __init__(self, config: WorkerConfig, *, env: dict[str, str], log_path: Path) -> None:
+        self.config, self.log_path = config, log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "hilore_compiler.bench.worker", config.to_json()]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env, text=True)
+
+    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer."""
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            raise WorkerError(f"worker exited with code {self.proc.wait()}; last lines of "
+                              f"{self.log_path}:\n{log_tail(self.log_path)}")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            raise WorkerError(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not within a minute."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a worker log (dynamo warnings dropped) for error messages."""
+    text = [s for s in Path(path).read_text(errors="replace").splitlines() if not s.startswith("W")]
+    return "\n".join(text[-lines:])
+
+
+@dataclass(slots=True, kw_only=True)
+class MethodRun:
+    """One method's measurements, filled in as the run goes."""
+
+    method: str
+    status: str = "ok"
+    error: str | None = None
+    compile_s: float | None = None
+    warmup: list[StepSample] = field(default_factory=list)
+    samples: list[StepSample] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    grad_path: str | None = None
+    #: Gradient cosine and relative L2 error against store-all's, same batch.
+    fidelity: dict[str, float] | None = None
+    worker: WorkerProcess | None = None
+
+    def fail(self, error: Exception, progress: Progress) -> None:
+        self.status, self.error = "failed", str(error)
+        progress(f"{self.method}: FAILED: {str(error).splitlines()[0]}")
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchRun:
+    """Everything the report needs: configuration, per-method runs, the budget search."""
+
+    config: BenchConfig
+    device: str
+    runs: tuple[MethodRun, ...]
+    budget_search: BudgetSearch | None
+    #: Kept when a method failed (its log is there), else None (deleted).
+    run_dir: str | None
+
+
+class Launcher:
+    """Starts and sets up workers that share one run's configuration and caches."""
+
+    def __init__(self, config: BenchConfig, device: str, run_dir: Path, progress: Progress) -> None:
+        self.config, self.device, self.run_dir, self.progress = config, device, run_dir, progress
+        cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
+        self.hilore_cache = str(cache / "hilore")
+        self.env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+        if device == "cpu":
+            self.env.update(MMAP_THRESHOLD_ENV)  # the CPU peak's definition needs it (measure.py)
+
+    def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
+        """Spawn ``method``'s worker, compile and warm it up; a failure is recorded, not raised."""
+        name = method + tag
+        grad_path = str(self.run_dir / f"grad-{name}.pt")
+        options = MethodOptions(hilore_budget=self.config.hilore_budget,
+                                hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget)
+        config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,
+                              seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
+                              warmup=self.config.warmup, options=options, grad_path=grad_path,
+                              threads=self.config.threads)
+        run = MethodRun(method=method, grad_path=grad_path)
+        self.progress(f"{name}: compiling and warming up")
+        try:
+            run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}.log")
+            reply = run.worker.request("setup")
+        except WorkerError as e:
+            run.fail(e, self.progress)
+            return run
+        run.compile_s, run.info = reply["compile_s"], reply["info"]
+        run.warmup = [StepSample(**s) for s in reply["warmup"]]
+        self.progress(f"{name}: compiled in {run.compile_s:.1f} s; warm-up {describe(run.warmup)}")
+        return run
+
+
+def describe(samples: list[StepSample]) -> str:
+    """``0.123 s/step, peak 12.3 MB`` (medians) for progress lines."""
+    if not samples:
+        return "no steps"
+    seconds = sorted(s.seconds for s in samples)[len(samples) // 2]
+    peak = sorted(s.peak_bytes for s in samples)[len(samples) // 2]
+    return f"{seconds:.3f} s/step, peak {peak / 1e6:.1f} MB"
+
+
+def warm_peak(run: MethodRun | None) -> float | None:
+    """Median warm-up peak bytes of a method that set up, else None."""
+    if run is None or run.status != "ok" or not run.warmup:
+        return None
+    peaks = sorted(s.peak_bytes for s in run.warmup)
+    return float(peaks[len(peaks) // 2])
+
+
+def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | None:
+    """The peak pt-budget should match: HiLoRe's, else 1.10 x GC's, else None."""
+    hilore, gc = warm_peak(runs.get("hilore")), warm_peak(runs.get("gc"))
+    if hilore is not None:
+        return hilore
+    if gc is not None:
+        progress("pt-budget: no HiLoRe peak to match; aiming at 1.10 x GC's peak instead")
+        return 1.10 * gc
+    return None
+
+
+def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progress) -> None:
+    """``repeats`` rounds; each live method measures ``steps_per_round`` steps per round."""
+    for r in range(config.repeats):
+        live = [run for run in runs if run.worker is not None]
+        if not live:
+            return
+        shift = r % len(live)  # rotate so no method always follows the same one
+        for run in live[shift:] + live[:shift]:
+            try:
+                reply = run.worker.request("measure", steps=config.steps_per_round)
+            except WorkerError as e:
+                run.fail(e, progress)
+                continue
+            run.samples += [StepSample(**s) for s in reply["samples"]]
+        done = ", ".join(f"{run.method} {describe(run.samples)}" for run in live if run.worker)
+        progress(f"round {r + 1}/{config.repeats}: {done}")
+
+
+def _pt_budget(launcher: Launcher, runs: dict[str, MethodRun],
+               progress: Progress) -> tuple[MethodRun, BudgetSearch | None]:
+    config = launcher.config
+    if config.pt_budget is not None:
+        return launcher.start("pt-budget", budget=config.pt_budget), None
+    target = budget_target(runs, progress)
+    if target is None:
+        progress("pt-budget: no HiLoRe or GC peak to match; using activation_memory_budget 0.5")
+        return launcher.start("pt-budget", budget=0.5), None
+
+    def probe(budget: float) -> MethodRun:
+        return launcher.start("pt-budget", tag=f"@{budget:g}", budget=budget)
+
+    return search_budget(probe, warm_peak, target_bytes=target, probes=config.budget_probes,
+                         progress=progress)
+
+
+def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
+    """Set up every method, search pt-budget's budget, measure in rounds; see the module docstring."""
+    device = resolve_device(config.device)
+    run_dir = Path(tempfile.mkdtemp(prefix="hilore-bench-"))
+    launcher = Launcher(config, device, run_dir, progress)
+    progress(f"{config.model}, batch {config.batch}, seq_len {config.seq_len} on {device}; "
+             f"workers' logs and caches in {run_dir}")
+    runs: dict[str, MethodRun] = {}
+    search = None
+    try:
+        for method in (m for m in METHODS if m in config.methods):
+            if method == "pt-budget":
+                runs[method], search = _pt_budget(launcher, runs, progress)
+            else:
+                runs[method] = launcher.start(method)
+        measure_rounds(list(runs.values()), config, progress)
+    finally:
+        for run in runs.values():
+            if run.worker is not None:
+                run.worker.close()
+                run.worker = None
+    compare_grads(runs)
+    failed = any(run.status != "ok" for run in runs.values())
+    if not failed:
+        shutil.rmtree(run_dir, ignore_errors=True)  # only logs, gradients and a temporary cache
+    return BenchRun(config=config, device=device, runs=tuple(runs.values()), budget_search=search,
+                    run_dir=str(run_dir) if failed else None)
+
+
+def compare_grads(runs: dict[str, MethodRun]) -> None:
+    """Fill each method's ``fidelity`` against store-all's gradient of the same batch."""
+    exact_run = runs.get("store-all")
+    if exact_run is None or exact_run.status != "ok" or not Path(exact_run.grad_path).exists():
+        return
+    exact = torch.load(exact_run.grad_path)
+    for run in runs.values():
+        if run.status == "ok" and Path(run.grad_path).exists():
+            cosine, rel_l2 = gradient_fidelity(torch.load(run.grad_path), exact)
+            run.fidelity = {"cosine": cosine, "rel_l2": rel_l2}

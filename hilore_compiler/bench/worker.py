@@ -1,0 +1,199 @@
+"""One benchmark worker process: one method, driven by the runner over a pipe.
+
+Run as ``python -m hilore_compiler.bench.worker '<WorkerConfig JSON>'``. The
+worker reads one JSON command per line on stdin and answers one JSON line:
+
+- ``{"cmd": "setup"}``: build model and data, compile (the first call),
+  run the warm-up steps (measured, returned), save the flattened gradient of
+  the fixed batch if asked; answers ``compile_s``, ``warmup``, ``info``.
+- ``{"cmd": "measure", "steps": k}``: k measured steps; answers ``samples``.
+- ``{"cmd": "exit"}``.
+
+Answers go to a private copy of the original stdout; fd 1 is pointed at
+stderr so that prints from torch or the backend cannot corrupt the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from .. import runtime
+from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
+from ..models import build_model, token_logprobs
+from .measure import StepSample, cpu_peak_supported, measure_step, mmap_threshold_set
+from .methods import HILORE_BACKENDS, MethodOptions, PreparedMethod, choose_bucket, plan_summary, prepare_method
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    """Everything one worker needs; identical across methods except ``method``."""
+
+    method: str
+    model: str
+    batch: int
+    seq_len: int
+    #: Seeds the weights and the batch: every method sees the same ones.
+    seed: int
+    device: str
+    #: Measured steps after the compiling call, before any round.
+    warmup: int
+    options: MethodOptions
+    #: Where to save the flattened gradient of the fixed batch (None: don't).
+    grad_path: str | None = None
+    #: ``torch.set_num_threads`` (None: torch's default, one per core). On a
+    #: CPU shared with other jobs fewer threads than cores avoids OpenMP
+    #: threads waiting on each other at every barrier.
+    threads: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        obj = json.loads(text)
+        return cls(**{**obj, "options": MethodOptions.from_json(obj["options"])})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepData:
+    """The fixed batch: token ids, advantages and response mask."""
+
+    input_ids: torch.Tensor  # (B, T)
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T-1): every position after the first is a response token
+
+
+def make_data(vocab: int, batch: int, seq_len: int, seed: int, device: torch.device) -> StepData:
+    """Random token ids and advantages from their own generator (the model's RNG is untouched)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (batch, seq_len), generator=g)
+    adv = torch.randn(batch, generator=g)  # GRPO advantages are normalised: ~unit scale
+    mask = torch.ones(batch, seq_len - 1)
+    return StepData(input_ids=ids.to(device), advantages=adv.to(device), mask=mask.to(device))
+
+
+def actor_step(policy: Callable[[torch.Tensor], torch.Tensor], data: StepData, loss_config: GRPOConfig) -> None:
+    """Forward, token log-probs, GRPO loss (on-policy: old = logprobs), backward."""
+    logits = policy(data.input_ids)  # (B, T, V)
+    logprobs = token_logprobs(logits, data.input_ids)  # (B, T-1)
+    loss = grpo_loss(logprobs, logprobs.detach(), data.advantages, data.mask, loss_config)
+    loss.backward()
+
+
+class Worker:
+    """The state of one worker: model, data, the compiled method, the step."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.device = torch.device(config.device)
+        self.model = build_model(config.model, seed=config.seed, device=self.device)
+        vocab = self.model.config.vocab_size
+        self.data = make_data(vocab, config.batch, config.seq_len, config.seed, self.device)
+        self.loss_config = GRPOConfig()
+        self.prepared: PreparedMethod = prepare_method(config.method, self.model, config.options)
+        self.bucket: str | None = None
+
+    def _step(self) -> None:
+        context = runtime.exposure(self.bucket) if self.bucket else contextlib.nullcontext()
+        with context:
+            actor_step(self.prepared.policy, self.data, self.loss_config)
+
+    def measure(self, steps: int) -> list[StepSample]:
+        samples = []
+        for _ in range(steps):
+            # Gradients are None at the start of every step, as after
+            # optimizer.zero_grad(): their allocation is part of every method's peak.
+            self.model.zero_grad(set_to_none=True)
+            samples.append(measure_step(self._step, self.device))
+        return samples
+
+    def setup(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
+        with self.prepared.compile_context():
+            self._step()  # compiles: dynamo, AOTAutograd, partitioner, Inductor
+        compile_s = time.perf_counter() - start
+        info = self._info()
+        warmup = self.measure(self.config.warmup)
+        if self.config.grad_path:
+            self.model.zero_grad(set_to_none=True)
+            self._step()
+            torch.save(flat_grad(self.model).cpu(), self.config.grad_path)
+        return {"compile_s": compile_s, "warmup": [dataclasses.asdict(s) for s in warmup], "info": info}
+
+    def _info(self) -> dict[str, Any]:
+        from torch._dynamo.utils import counters
+
+        # Graph counts catch a method that silently broke the model into
+        # pieces (or recompiled), which would make its timing incomparable.
+        info: dict[str, Any] = {"threads": torch.get_num_threads(),
+                                "mmap_threshold_set": mmap_threshold_set(),
+                                "cpu_peak_supported": cpu_peak_supported(),
+                                "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+                                "graph_breaks": int(sum(counters["graph_break"].values()))}
+        if self.config.method in HILORE_BACKENDS:
+            exposures = exposure_before_forward(self.data.advantages, self.data.mask, self.loss_config)
+            self.bucket = choose_bucket(self.prepared.backend, exposures)
+            info.update(bucket=self.bucket, exposures=exposures.tolist(),
+                        plan=plan_summary(self.prepared.backend))
+        if self.config.options.activation_memory_budget is not None and self.config.method == "pt-budget":
+            info["activation_memory_budget"] = self.config.options.activation_memory_budget
+        return info
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flattened in parameter order (zeros where None)."""
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+             for p in model.parameters()]
+    return torch.cat(parts).float()
+
+
+def _handle(worker: Worker, request: dict[str, Any]) -> dict[str, Any]:
+    if request["cmd"] == "setup":
+        return worker.setup()
+    if request["cmd"] == "measure":
+        return {"samples": [dataclasses.asdict(s) for s in worker.measure(int(request["steps"]))]}
+    raise ValueError(f"unknown worker command {request['cmd']!r}")
+
+
+def serve(config: WorkerConfig, commands: TextIO, answers: TextIO) -> None:
+    """Answer commands until ``exit`` or end of input; errors are answers, not crashes."""
+    worker: Worker | None = None
+    for line in commands:
+        request = json.loads(line)
+        if request["cmd"] == "exit":
+            return
+        try:
+            worker = worker or Worker(config)
+            reply = {"ok": True, **_handle(worker, request)}
+        except Exception as e:  # the runner records the failure and goes on with other methods
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(reply) + "\n")
+        answers.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config = WorkerConfig.from_json(argv[0])
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints now go to stderr (the worker's log), not into the protocol
+    serve(config, sys.stdin, answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

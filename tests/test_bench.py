@@ -1,0 +1,241 @@
+"""hilore bench: the measurement helpers, the methods' plumbing, the report, one tiny real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hilore_compiler.bench.measure import (
+    StepSample,
+    cpu_peak_supported,
+    gradient_fidelity,
+    measure_step,
+)
+from hilore_compiler.bench.methods import Checkpointed, uniform_plan, wrap_layers
+from hilore_compiler.bench.report import (
+    MEMORY_CEILING,
+    Spread,
+    format_table,
+    format_targets,
+    save_png,
+    summarise,
+    to_json,
+)
+from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun, run_bench
+from hilore_compiler.bench.search import Probe, choose, search_budget
+from hilore_compiler.bench.worker import actor_step, flat_grad, make_data
+from hilore_compiler.cli import build_parser
+from hilore_compiler.commands.bench import config_from_args
+from hilore_compiler.grpo import GRPOConfig
+from hilore_compiler.models import build_model
+from hilore_compiler.solver.synthetic import random_trace
+
+MB = 2**20
+
+
+# --- measuring -------------------------------------------------------------
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs /proc/self/clear_refs (Linux)")
+def test_cpu_peak_sees_a_known_allocation():
+    # 64 MiB is above glibc's largest dynamic mmap threshold (32 MiB), so it is
+    # mmapped and returned on free even without MALLOC_MMAP_THRESHOLD_.
+    def step():
+        x = torch.ones(16 * MB)  # 16 Mi fp32 = 64 MiB, written so every page is resident
+        del x
+
+    sample = measure_step(step, "cpu")
+    assert 60 * MB <= sample.peak_bytes <= 64 * MB + 16 * MB
+    assert sample.seconds > 0
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs /proc/self/clear_refs (Linux)")
+def test_cpu_peak_of_a_step_that_allocates_nothing_is_small():
+    big = torch.ones(16 * MB)  # held before the step: not part of its peak
+    sample = measure_step(lambda: big.sum(), "cpu")
+    assert sample.peak_bytes < 8 * MB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_sees_a_known_allocation():
+    held = torch.ones(MB, device="cuda")  # allocated before: subtracted
+    sample = measure_step(lambda: torch.ones(16 * MB, device="cuda"), "cuda")
+    assert sample.peak_bytes == 64 * MB
+    del held
+
+
+def test_gradient_fidelity():
+    g = torch.tensor([3.0, 4.0, 0.0])
+    assert gradient_fidelity(g, g) == pytest.approx((1.0, 0.0))
+    assert gradient_fidelity(2 * g, g) == pytest.approx((1.0, 1.0))
+    assert gradient_fidelity(torch.tensor([0.0, 0.0, 1.0]), g)[0] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="different models"):
+        gradient_fidelity(g, torch.ones(2))
+
+
+def test_spread_of_repeated_values():
+    s = Spread.of([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert (s.median, s.min, s.max, s.q1, s.q3) == (3.0, 1.0, 100.0, 2.0, 4.0)
+    assert Spread.of([5.0]).q3 == 5.0
+
+
+# --- methods ---------------------------------------------------------------
+
+def test_checkpointed_layers_keep_the_gradient():
+    data = make_data(256, 2, 16, seed=0, device=torch.device("cpu"))
+    grads = []
+    for wrap in (False, True):
+        model = build_model("tiny", seed=0)
+        if wrap:
+            wrap_layers(model)
+            assert all(isinstance(layer, Checkpointed) for layer in model.layers)
+        actor_step(model, data, GRPOConfig())
+        grads.append(flat_grad(model))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_uniform_plan_compresses_every_unit_where_int8_is_usable():
+    trace = random_trace(3, num_units=12)
+    plan = uniform_plan(trace, "int8")
+    assert len([b for b in plan.buckets if not b.skip]) == 1  # one compiled variant
+    bucket = next(b for b in plan.buckets if not b.skip)
+    for unit in trace.units:
+        cost = unit.codecs.get("int8")
+        expected = "compress:int8" if cost is not None and cost.usable else "store"
+        assert dict(bucket.decisions)[unit.key] == expected
+    assert "recompute" not in dict(bucket.decisions).values()
+
+
+# --- budget search ---------------------------------------------------------
+
+class _FakeWorker:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _FakeRun:
+    def __init__(self, budget: float):
+        self.budget, self.worker, self.error = budget, _FakeWorker(), None
+
+
+def test_budget_bisection_keeps_the_largest_peak_that_fits():
+    runs, workers = [], {}
+
+    def probe(budget):
+        runs.append(_FakeRun(budget))
+        workers[budget] = runs[-1].worker
+        return runs[-1]
+
+    def peak(run):  # peak grows with the budget, as the knapsack intends
+        return 10.0 + 100.0 * run.budget
+
+    kept, record = search_budget(probe, peak, target_bytes=45.0, probes=4, progress=lambda m: None)
+    assert [p.budget for p in record.probes] == [0.5, 0.25, 0.375, 0.3125]
+    assert kept.budget == record.chosen == 0.3125
+    assert kept.worker and not kept.worker.closed
+    assert all(workers[r.budget].closed and r.worker is None for r in runs if r is not kept)
+
+
+def test_choose_falls_back_to_the_smallest_peak():
+    probes = [Probe(budget=0.5, peak_bytes=90.0), Probe(budget=0.25, peak_bytes=70.0),
+              Probe(budget=0.1, peak_bytes=None, error="boom")]
+    assert choose(probes, target_bytes=50.0, tolerance=0.02).budget == 0.25
+    assert choose(probes[2:], target_bytes=50.0, tolerance=0.02) is None
+
+
+# --- report ----------------------------------------------------------------
+
+def _run(method: str, seconds: float, peak_mb: float, cosine: float = 1.0) -> MethodRun:
+    samples = [StepSample(seconds=seconds * f, peak_bytes=int(peak_mb * 1e6)) for f in (0.9, 1.0, 1.1)]
+    return MethodRun(method=method, samples=samples, warmup=samples[:1], compile_s=1.0,
+                     fidelity={"cosine": cosine, "rel_l2": 1e-3})
+
+
+def _report():
+    config = BenchConfig(model="tiny", batch=2, seq_len=128)
+    runs = (_run("store-all", 1.0, 300), _run("gc", 2.0, 100), _run("sac", 1.6, 160),
+            _run("hilore", 1.5, 105, cosine=0.9995),
+            MethodRun(method="uniform-int8", status="failed", error="BackendCompilerFailed: x\ny"))
+    return summarise(BenchRun(config=config, device="cpu", runs=runs, budget_search=None, run_dir=None))
+
+
+def test_report_ratios_targets_and_recovery():
+    report = _report()
+    stats = {s.method: s for s in report.stats}
+    tokens = 2 * 128
+    assert stats["gc"].tokens_per_s.median == pytest.approx(tokens / 2.0)
+    assert stats["hilore"].speed_vs_gc == pytest.approx(2.0 / 1.5)
+    assert stats["hilore"].peak_vs_gc == pytest.approx(1.05)
+    met = {t.name.split(" (")[0]: t.met for t in report.targets}
+    assert met["HiLoRe peak / GC peak"] is True
+    assert met["HiLoRe speed / GC speed"] is True  # 1.333 >= 1.135
+    # sac does not fit 1.10 x GC, so the fastest fitting baseline is GC itself.
+    assert "(GC)" in report.targets[2].name and report.targets[2].met is True
+    assert met["HiLoRe gradient cosine"] is True
+    assert report.recovered == pytest.approx((2.0 - 1.5) / (2.0 - 1.0))
+    assert MEMORY_CEILING == 1.10
+
+
+def test_report_table_and_json():
+    report = _report()
+    table = format_table(report)
+    for label in ("store-all", "GC", "selective AC", "HiLoRe", "uniform int8"):
+        assert label in table
+    assert "FAILED: BackendCompilerFailed: x" in table
+    assert "HiLoRe recovers 50%" in format_targets(report)
+    payload = json.loads(json.dumps(to_json(report)))
+    assert payload["schema"] == "hilore.bench/v1"
+    assert payload["config"]["model"] == "tiny" and payload["environment"]["torch"] == torch.__version__
+    assert [m["method"] for m in payload["methods"]][:2] == ["store-all", "gc"]
+
+
+def test_png_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = save_png(_report(), tmp_path / "bench.png")
+    assert path.exists() and path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- command line ----------------------------------------------------------
+
+def test_cli_defaults_are_the_full_configuration():
+    config = config_from_args(build_parser().parse_args(["bench"]))
+    assert (config.model, config.batch, config.seq_len) == ("small", 2, 2048)
+    assert config.hilore_budget == "1.10x-gc" and len(config.methods) == 6
+
+
+def test_cli_quick_and_explicit_options():
+    args = build_parser().parse_args(["bench", "--quick", "--methods", "gc, store-all", "--repeats", "7"])
+    config = config_from_args(args)
+    assert (config.model, config.seq_len, config.repeats) == ("tiny", 128, 7)
+    assert config.methods == ("gc", "store-all")
+    with pytest.raises(ValueError, match="unknown or no methods"):
+        config_from_args(build_parser().parse_args(["bench", "--methods", "nope"]))
+
+
+# --- one real run ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
+    # Inductor's cache lives in pytest's cache directory: the first run pays
+    # for compiling the kernels (about a minute per method on a busy 2-core
+    # CPU), later runs take seconds. conftest turns caches off for in-process
+    # compiles that inspect the partitioner; these workers inspect nothing.
+    monkeypatch.delenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", raising=False)
+    cache = request.config.cache.mkdir("hilore-bench-compile")
+    config = BenchConfig(model="tiny", batch=2, seq_len=32, methods=("store-all", "gc"), repeats=2,
+                         steps_per_round=1, warmup=1, device="cpu", threads=1, cache_dir=str(cache))
+    run = run_bench(config, progress=lambda m: None)
+    runs = {r.method: r for r in run.runs}
+    assert all(r.status == "ok" for r in runs.values()), [r.error for r in runs.values()]
+    for r in runs.values():
+        # At this size a step may fit in pages the process already holds: peak >= 0, not > 0.
+        assert len(r.samples) == 2 and all(s.seconds > 0 and s.peak_bytes >= 0 for s in r.samples)
+        assert r.info["mmap_threshold_set"] and r.info["threads"] == 1
+    assert runs["store-all"].fidelity["cosine"] == pytest.approx(1.0)
+    # Recompute is deterministic: GC's gradient is store-all's up to fp32 reordering.
+    assert runs["gc"].fidelity["cosine"] > 0.99999
+    assert run.run_dir is None  # nothing failed: logs and gradients were cleaned up

@@ -1,0 +1,163 @@
+"""The arms compared: the exact policy and the policy compiled under each plan.
+
+An arm's model is what ``actor_update`` calls. ``exact`` is the eager policy
+(autograd stores every activation: the reference gradient). The others run
+``torch.compile(policy, backend=HiLoReBackend({"plan": plan}))``:
+
+- ``hilore``: the solver's exposure-conditioned plan at a memory budget;
+- ``blind-int8``: the control, exposure-blind: every recovery unit int8 can
+  encode is ``compress:int8`` in every bucket, the rest ``store``;
+- ``store-all``: every unit stored; through the same backend, so it measures
+  what Inductor's own rounding costs (the floor of any compiled arm).
+
+The policy is traced once, inside a dynamo backend on the very graph the arms
+compile (``planning.trace_graph``, as zero-config compiles do), and every plan
+is solved from that one trace: tracing profiles each unit and is the slow part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..backend import HiLoReBackend
+from ..planfile import COMPRESS_PREFIX, RECOMPUTE, STORE, BucketPlan, Plan
+from ..tracefile import Trace
+
+#: Codecs the plans may use (fp8 is slow to emulate on CPU and adds nothing here).
+CODECS = ("bf16", "int8")
+
+
+class FixedBatch(nn.Module):
+    """Runs ``model`` at one batch size: pads smaller microbatches, drops the padding.
+
+    A hilore plan is solved for one (batch, sequence) shape: a second shape
+    makes dynamo recompile, with a symbolic batch (refused by the backend) or,
+    under ``dynamic=False``, a static one the plan does not fit. ``actor_update`` cuts a batch
+    into microbatches per bucket, so their sizes vary; padding with copies of
+    the first row keeps one shape. The copies' logits are cut off before the
+    loss, so no gradient reaches them and the gradient is unchanged.
+    """
+
+    def __init__(self, model: nn.Module, batch: int) -> None:
+        super().__init__()
+        self.model, self.batch = model, batch
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        b = input_ids.shape[0]  # (b, T)
+        if b > self.batch:
+            raise ValueError(f"microbatch of {b} rows exceeds the compiled batch {self.batch}")
+        if b < self.batch:
+            pad = input_ids[:1].expand(self.batch - b, -1)  # (batch - b, T): valid tokens
+            input_ids = torch.cat([input_ids, pad], dim=0)
+        return self.model(input_ids)[:b]  # (b, T, V)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Arm:
+    """One side of a comparison: its name, eager policy, update model and plan."""
+
+    name: str
+    #: The eager module that owns the weights; sampling and scoring use it.
+    policy: nn.Module
+    #: What ``actor_update`` calls: ``policy`` itself, or its compiled ``FixedBatch``.
+    model: nn.Module
+    #: None for the exact arm.
+    plan: Plan | None = None
+    backend: HiLoReBackend | None = None
+
+
+def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured") -> Trace:
+    """Trace ``policy`` at (batch, seq_len) inside a dynamo backend, as zero-config compiles do.
+
+    The backend hands dynamo's own graph to the tracer and then runs it
+    eagerly, so the trace's unit keys are those of the graph the arms compile
+    later. ``cost_model``: ``"measured"`` or ``"roofline:<device>"`` (codec
+    errors are measured on the real activations either way).
+    """
+    from ..passes.capture import capture_graph_module
+    from ..tracer import TraceConfig, trace_captures
+
+    traces: list[Trace] = []
+    config = TraceConfig(cost_model=cost_model, codecs=CODECS, model_name="tiny-eval", verbose=False)
+
+    def tracing_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        capture = capture_graph_module(gm, example_inputs)
+        traces.append(trace_captures([capture], batch, seq_len, config))
+        return gm.forward
+
+    ids = torch.randint(0, policy.config.vocab_size, (batch, seq_len), generator=torch.Generator())
+    compiled = torch.compile(policy, backend=tracing_backend, dynamic=False)
+    compiled(ids).float().pow(2).mean().backward()
+    policy.zero_grad(set_to_none=True)
+    if len(traces) != 1:
+        raise RuntimeError(f"expected one graph of the policy, dynamo made {len(traces)}")
+    return traces[0]
+
+
+def solve_plan(trace: Trace, budget: str, *, risk_budget: float | None, buckets: int) -> Plan:
+    """The hilore plan at ``budget``; raises ``InfeasibleBudgetError`` if none fits."""
+    from ..solver import DEFAULT_RISK_BUDGET, solve
+
+    risk = DEFAULT_RISK_BUDGET if risk_budget is None else risk_budget
+    return solve(trace, budget=budget, risk_budget=risk, buckets=buckets, codecs=list(CODECS))
+
+
+def uniform_plan(trace: Trace, like: Plan, codec: str | None, label: str) -> Plan:
+    """An exposure-blind plan with ``like``'s buckets: ``compress:<codec>`` wherever
+    the unit allows it, else ``store``, the same in every bucket (``codec=None``:
+    store everything). Its predicted memory comes from the solver's own model.
+    """
+    from ..solver.memory import cost_model, plan_risk, simulate
+
+    model = cost_model(trace, batch=like.batch, seq_len=like.seq_len, codecs=CODECS)
+    option = None if codec is None else COMPRESS_PREFIX + codec
+    decisions = {u.key: option if option in u.options else STORE for u in model.units}
+    prediction = simulate(model, decisions)
+    buckets = []
+    for b in like.buckets:
+        if b.skip:
+            buckets.append(b)
+            continue
+        buckets.append(dataclasses.replace(
+            b, decisions=tuple(decisions.items()), memory_bytes=prediction.memory_bytes,
+            kept_bytes=prediction.kept_bytes, transient_bytes=prediction.transient_bytes,
+            time_s=prediction.time_s, risk=plan_risk(model, decisions, b.bucket.exposure),
+            solver=None, notes=(f"{label}: exposure-blind, not solved",),
+        ))
+    return dataclasses.replace(like, buckets=tuple(buckets), notes=(*like.notes, f"{label} plan"))
+
+
+def option_counts(bucket: BucketPlan) -> dict[str, int]:
+    """How many units of ``bucket`` are stored, compressed (per codec) and recomputed."""
+    counts: dict[str, int] = {}
+    for _, option in bucket.decisions:
+        counts[option] = counts.get(option, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (kv[0] != STORE, kv[0] == RECOMPUTE, kv[0])))
+
+
+def compiled_arm(name: str, policy: nn.Module, plan: Plan, cache_dir: str) -> Arm:
+    """``policy`` compiled with the hilore backend under ``plan``, at the plan's batch.
+
+    ``dynamic=False``: the plan is for one shape, and ``FixedBatch`` keeps it.
+    """
+    backend = HiLoReBackend({"plan": plan, "codecs": CODECS, "cache_dir": cache_dir, "verbose": False})
+    compiled = torch.compile(policy, backend=backend, dynamic=False)
+    return Arm(name=name, policy=policy, model=FixedBatch(compiled, plan.batch), plan=plan,
+               backend=backend)
+
+
+def exact_arm(policy: nn.Module) -> Arm:
+    """The reference: the eager policy, every activation stored by autograd."""
+    return Arm(name="exact", policy=policy, model=policy)
+
+
+def load_weights(arm: Arm, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` into the arm's policy in place (compiled graphs read the same tensors)."""
+    with torch.no_grad():
+        arm.policy.load_state_dict(state)
+    arm.policy.zero_grad(set_to_none=True)

@@ -1,0 +1,227 @@
+"""``run_evaluation``: trace, plan, fidelity per bucket, paired training, one results dict.
+
+Order of work (each step reports on stderr):
+
+1. trace the policy once at the microbatch shape (``arms.trace_policy``);
+2. solve the hilore plans at the planned and the tight budget; a budget that
+   is infeasible is reported and replaced by the smallest feasible one (the
+   probe budgets are only solved, to report whether they are feasible);
+3. compile the arms: hilore at each budget, the exposure-blind int8 control,
+   and store-all (Inductor's rounding alone);
+4. gradient fidelity of every compiled arm per bucket (``fidelity``);
+5. paired training: exact, hilore at the tight budget, blind int8 (``training``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..grpo import GRPOConfig, UpdateConfig, plan_buckets
+from ..models import build_model
+from ..planfile import Plan
+from ..tracefile import Trace
+from . import arms as arms_mod
+from .fidelity import FidelitySetup, arm_fidelity
+from .report import training_summary
+from .task import TaskConfig
+from .training import Progress, RunSetup, TrainConfig, train_paired
+
+SCHEMA = "hilore.eval/v1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalConfig:
+    """Everything ``hilore eval`` runs; the defaults are the full evaluation."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: Paired seeds of the training run (0 .. seeds - 1). Eight: 3 arms x 300
+    #: steps took 0.06-0.065 s a step on 2 busy cores with 1 thread (quick
+    #: run), so about 8 minutes of training plus a few of compiling.
+    seeds: int = 8
+    #: The budget plans are made for by default (the paper's ceiling).
+    planned_budget: str = "1.10x-gc"
+    #: A budget that forces compression and recompute; training runs at it.
+    #: Not the smallest feasible one: there the top bucket's plan is the only
+    #: one that fits and every bucket gets it, so exposure could not matter.
+    tight_budget: str = "0.75x-gc"
+    #: Budgets only solved (not compiled) to report whether they are feasible
+    #: and, if not, the smallest budget that is.
+    probe_budgets: tuple[str, ...] = ("0.6x-gc",)
+    #: Risk budget of the hilore plans; None: the risk of int8 on every unit at
+    #: the middle bucket's exposure, so int8 everywhere fits the low buckets and
+    #: not the top one (with the solver's default, 0.2, and uncalibrated
+    #: sensitivities, no bucket of the tiny policy is risk-bound and exposure
+    #: would change nothing).
+    risk_budget: float | None = None
+    #: Nonzero exposure buckets of the plans.
+    buckets: int = 3
+    #: Costs the plans minimise time under. Roofline, not measured: the tiny
+    #: policy's units take ~0.3 ms to recompute or encode on CPU, timing noise
+    #: at that size reorders them, and two processes solved the same budget
+    #: into different plans (other units compressed, buckets merged in one
+    #: and split in the other). Roofline costs make the plan a function of the
+    #: graph; memory and gradient error, what is evaluated, do not depend on it.
+    cost_model: str = "roofline:h100"
+    #: Rows per forward/backward; the compiled graphs are traced at this batch.
+    microbatch: int = 16
+    #: Prompts per fidelity batch (each with ``train.group_size`` samples).
+    fidelity_prompts: int = 4
+    #: Seed of the weights and samples the fidelity batches use.
+    fidelity_seed: int = 7
+    #: Torch CPU threads: one, because the tiny model's matmuls are too small
+    #: to split and more threads only contend with the other processes.
+    threads: int = 1
+    #: Where the backend may cache (it is given plans, so it writes little).
+    cache_dir: str = field(default_factory=lambda: os.environ.get(
+        "HILORE_CACHE_DIR", str(Path.home() / ".cache" / "hilore")))
+    model: str = "tiny"
+
+
+def quick_config(**overrides: Any) -> EvalConfig:
+    """A few minutes end to end: two seeds, short runs, small held-out set."""
+    train = TrainConfig(steps=40, eval_every=20, eval_prompts=300, final_evals=1)
+    return dataclasses.replace(EvalConfig(train=train, seeds=2, fidelity_prompts=2), **overrides)
+
+
+def auto_risk_budget(trace: Trace, config: EvalConfig) -> float:
+    """Risk of int8 on every unit that allows it, at the middle default bucket's exposure."""
+    from ..solver import default_buckets
+    from ..solver.memory import cost_model, plan_risk
+
+    model = cost_model(trace, batch=config.microbatch, seq_len=config.task.seq_len, codecs=arms_mod.CODECS)
+    decisions = {u.key: "compress:int8" if "compress:int8" in u.options else "store" for u in model.units}
+    middle = default_buckets(config.buckets)[config.buckets // 2]
+    return plan_risk(model, decisions, middle.exposure)
+
+
+def resolve_plan(trace: Trace, budget: str, risk: float, buckets: int) -> tuple[Plan, dict[str, Any]]:
+    """The plan at ``budget``, or at the smallest feasible budget if it is infeasible."""
+    from ..solver import InfeasibleBudgetError
+
+    info: dict[str, Any] = {"requested": budget, "risk_budget": risk}
+    try:
+        plan = arms_mod.solve_plan(trace, budget, risk_budget=risk, buckets=buckets)
+        info["feasible"] = True
+    except InfeasibleBudgetError as e:
+        info.update(feasible=False, reason=str(e), min_budget_bytes=e.min_budget_bytes)
+        plan = arms_mod.solve_plan(trace, str(e.min_budget_bytes), risk_budget=risk, buckets=buckets)
+    info.update(solved_budget=plan.budget, budget_bytes=plan.budget_bytes, gc_bytes=plan.gc_bytes,
+                store_bytes=plan.store_bytes, budget_x_gc=plan.budget_bytes / max(plan.gc_bytes, 1),
+                buckets={b.bucket.name: {"memory_bytes": b.memory_bytes, "risk": b.risk,
+                                         "options": arms_mod.option_counts(b),
+                                         "decisions": dict(b.decisions)}
+                         for b in plan.buckets if not b.skip})
+    return plan, info
+
+
+def _warm_up(arm: arms_mod.Arm, config: EvalConfig) -> float:
+    """Compile ``arm`` now (the backend builds every bucket variant on the first call)."""
+    start = time.perf_counter()
+    vocab = arm.policy.config.vocab_size
+    ids = torch.randint(0, vocab, (config.microbatch, config.task.seq_len), generator=torch.Generator())
+    arm.model(ids).float().pow(2).mean().backward()
+    arm.policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[str, arms_mod.Arm], dict[str, Any]]:
+    """Solve the plans and compile one arm per distinct plan; returns arms and plan info."""
+    risk = auto_risk_budget(trace, config) if config.risk_budget is None else config.risk_budget
+    planned, planned_info = resolve_plan(trace, config.planned_budget, risk, config.buckets)
+    tight, tight_info = resolve_plan(trace, config.tight_budget, risk, config.buckets)
+    for info in (planned_info, tight_info):
+        say(f"budget {info['requested']}: " + ("feasible" if info["feasible"] else
+            f"infeasible, using the smallest feasible ({info['budget_x_gc']:.3f}x-gc)"))
+    plans = {"hilore-tight": tight}
+    if planned.budget_bytes != tight.budget_bytes:
+        plans["hilore-planned"] = planned
+    plans["blind-int8"] = arms_mod.uniform_plan(trace, tight, "int8", "blind-int8")
+    plans["store-all"] = arms_mod.uniform_plan(trace, tight, None, "store-all")
+    arms, compile_s = {}, {}
+    for name, plan in plans.items():
+        policy = build_model(config.model, seed=config.fidelity_seed)
+        arms[name] = arms_mod.compiled_arm(name, policy, plan, config.cache_dir)
+        compile_s[name] = _warm_up(arms[name], config)
+        say(f"compiled {name} ({len(arms[name].backend.graphs[0].variants)} variants) "
+            f"in {compile_s[name]:.0f} s")
+    probes = [resolve_plan(trace, b, risk, config.buckets)[1] for b in config.probe_budgets]
+    info = {"planned": planned_info, "tight": tight_info, "probes": probes, "risk_budget": risk,
+            "risk_budget_source": "auto" if config.risk_budget is None else "given",
+            "compile_seconds": compile_s,
+            "control_memory_bytes": plans["blind-int8"].buckets[-1].memory_bytes,
+            "arm_budgets": {n: p.budget for n, p in plans.items()}}
+    return arms, info
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were measured."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def run_evaluation(config: EvalConfig, say: Progress) -> dict[str, Any]:
+    """Run the whole evaluation (module docstring) and return the results payload."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config, say)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: EvalConfig, say: Progress) -> dict[str, Any]:
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    grpo = GRPOConfig()
+    update = UpdateConfig(microbatch_size=config.microbatch, n_buckets=config.buckets)
+    say(f"tracing {config.model} at batch {config.microbatch}, sequence {config.task.seq_len}")
+    trace = arms_mod.trace_policy(build_model(config.model, seed=0), config.microbatch,
+                                  config.task.seq_len, config.cost_model)
+    timings["trace_s"] = time.perf_counter() - start
+    compiled, plan_info = build_arms(trace, config, say)
+    timings["compile_s"] = sum(plan_info["compile_seconds"].values())
+
+    t = time.perf_counter()
+    exact = arms_mod.exact_arm(build_model(config.model, seed=config.fidelity_seed))
+    state = build_model(config.model, seed=config.fidelity_seed).state_dict()
+    setup = FidelitySetup(task=config.task, grpo=grpo, update=update, prompts=config.fidelity_prompts,
+                          group_size=config.train.group_size, seed=config.fidelity_seed)
+    fidelity = []
+    for name, arm in compiled.items():
+        rows = arm_fidelity(arm, exact, state, setup, plan_info["arm_budgets"][name])
+        fidelity += rows
+        say(f"fidelity {name}: " + ", ".join(f"{r.bucket} rel_l2 {r.rel_l2:.2e}" for r in rows))
+    timings["fidelity_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tight = compiled["hilore-tight"]
+    batch_size = config.train.prompts_per_step * config.train.group_size
+    run_setup = RunSetup(task=config.task, train=config.train, grpo=grpo, update=update,
+                         buckets=plan_buckets(tight.plan, batch_size), model=config.model)
+    arms = [exact, tight, compiled["blind-int8"]]
+    runs = train_paired(arms, list(range(config.seeds)), run_setup, say)
+    timings["training_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - start
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": dataclasses.asdict(config),
+        "machine": machine(),
+        "trace": {"units": len(trace.units), "batch": trace.batch, "seq_len": trace.seq_len,
+                  "fingerprint": trace.fingerprint, "cost_source": trace.cost_source},
+        "plans": plan_info,
+        "fidelity": [dataclasses.asdict(r) for r in fidelity],
+        "training": training_summary(runs),
+        "runs": [dataclasses.asdict(r) for r in runs],
+        "timings": timings,
+    }

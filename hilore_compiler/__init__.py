@@ -1,1 +1,55 @@
-"""HiLoRe: what to store, compress or recompute for efficient GRPO training."""
+"""HiLoRe: what to store, compress or recompute for efficient GRPO training.
+
+A profiling-then-planning compiler pass over torch.compile graphs. Modules in
+pipeline order:
+
+- ``models/``        built-in Llama- and GPT-style policies (random weights).
+- ``passes/capture`` the AOT joint graph torch.compile builds, and what min-cut saves.
+- ``passes/annotate`` saved activations -> recovery units with stable keys.
+- ``passes/profile`` each unit's cost to store, compress or recompute.
+- ``tracer``         the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
+- ``calibration``    measured gradient sensitivity per (unit kind, codec).
+- ``solver/``        one ILP per exposure bucket (PuLP + CBC) -> ``Plan`` (``planfile``).
+- ``planning``       where the backend's plan comes from (given, cached, solved now).
+- ``passes/apply``   tag MUST_SAVE / MUST_RECOMPUTE, insert codec encode/decode.
+- ``partitioner``    the custom partitioner Inductor calls per bucket.
+- ``backend``        ``torch.compile(model, backend="hilore")``.
+- ``runtime``        ``exposure(bucket)``: which compiled variant runs.
+- ``grpo/``          GRPO loss, token coefficients, exposure, buckets, actor update.
+- ``bench/``, ``evaluation/``  throughput/memory benchmark and fidelity checks.
+- ``codecs/``        bf16, int8, fp8: eager reference and FX graph builders.
+- ``cli``            the ``hilore`` command.
+
+Public API: ``trace``, ``solve``, ``exposure``, ``load_trace``, ``load_plan``,
+``HiLoReBackend``. Heavy modules load on first use, so ``import hilore_compiler``
+is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "trace": ("hilore_compiler.tracer", "trace"),
+    "TraceConfig": ("hilore_compiler.tracer", "TraceConfig"),
+    "solve": ("hilore_compiler.solver", "solve"),
+    "exposure": ("hilore_compiler.runtime", "exposure"),
+    "load_trace": ("hilore_compiler.tracefile", "load_trace"),
+    "load_plan": ("hilore_compiler.planfile", "load_plan"),
+    "Trace": ("hilore_compiler.tracefile", "Trace"),
+    "Plan": ("hilore_compiler.planfile", "Plan"),
+    "HiLoReBackend": ("hilore_compiler.backend", "HiLoReBackend"),
+    "calibrate": ("hilore_compiler.calibration", "calibrate"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hilore_compiler' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module), attr)

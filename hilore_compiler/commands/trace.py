@@ -33,16 +33,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def trace_advantages(batch: int, seed: int) -> torch.Tensor:
+    """(B, 1) standard-normal advantages, like group-normalised GRPO ones."""
+    return torch.randn(batch, 1, generator=torch.Generator().manual_seed(seed))
+
+
 def grpo_trace_loss(input_ids: torch.Tensor, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A GRPO-shaped loss for tracing: advantage-weighted token log-probs.
 
     The saved activations do not depend on the loss (it runs outside the
     compiled graph); this keeps the traced step the same as an actor update.
+    A sample's exposure in plan units is its |advantage|.
     """
     from ..models import token_logprobs
 
-    generator = torch.Generator().manual_seed(seed)
-    advantages = torch.randn(input_ids.shape[0], 1, generator=generator).to(input_ids.device)
+    advantages = trace_advantages(input_ids.shape[0], seed).to(input_ids.device)
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
         return -(token_logprobs(logits, input_ids) * advantages).mean()

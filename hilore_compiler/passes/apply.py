@@ -16,10 +16,12 @@ The partitioner then saves exactly the stored tensors and the payloads.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import codecs as codec_registry
@@ -143,6 +145,30 @@ def _new_nodes(graph: fx.Graph, build) -> tuple[object, list[fx.Node]]:
     return result, [n for n in graph.nodes if n not in before]
 
 
+def _memory_order(node: fx.Node) -> list[int]:
+    """Dims of ``node``'s value from outermost to innermost in memory."""
+    val = node.meta["val"]
+    return sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+
+
+def _permute(graph: fx.Graph, node: fx.Node, order: list[int]) -> fx.Node:
+    """``node`` permuted by ``order`` (``node`` itself for the identity).
+
+    A value laid out transposed in memory (attention outputs are (B, H, T, D)
+    over (B, T, H, D) storage) is encoded through the permuted, contiguous
+    view and decoded back through the inverse permutation, so the decoded
+    copy has the original strides and the views backward takes of it stay valid.
+    """
+    if order == sorted(order):
+        return node
+    permuted = graph.call_function(torch.ops.aten.permute.default, (node, order))
+    val = node.meta["val"]
+    with detect_fake_mode([val]) or contextlib.nullcontext():
+        permuted.meta["val"] = val.permute(order)
+    permuted.meta[CODEC_META] = "layout"
+    return permuted
+
+
 def _compress_all(graph: fx.Graph, roots: Mapping[fx.Node, object]) -> None:
     """Encode each root after its producer; give backward decoded copies.
 
@@ -156,15 +182,20 @@ def _compress_all(graph: fx.Graph, roots: Mapping[fx.Node, object]) -> None:
     clones: dict[fx.Node, fx.Node] = {}
     recomputed: list[fx.Node] = []
     for root, codec in roots.items():
+        order = _memory_order(root)
         with graph.inserting_after(root):
-            parts, encode_nodes = _new_nodes(graph, lambda: codec.graph_encode(graph, root))
+            dense = _permute(graph, root, order)
+        with graph.inserting_after(dense):
+            parts, encode_nodes = _new_nodes(graph, lambda: codec.graph_encode(graph, dense))
         for part in parts:
             part.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         dtype = root.meta["val"].dtype
         with graph.inserting_before(first_backward):
-            clones[root], decode_nodes = _new_nodes(
+            decoded, decode_nodes = _new_nodes(
                 graph, lambda: codec.graph_decode(graph, tuple(parts), dtype))
-        recomputed += decode_nodes
+        with graph.inserting_before(first_backward):
+            clones[root] = _permute(graph, decoded, [order.index(d) for d in range(len(order))])
+        recomputed += decode_nodes + ([clones[root]] if clones[root] is not decoded else [])
     # A fresh block: the codec's emitter leaves the point after its last node.
     with graph.inserting_before(first_backward):
         for node in downstream:

@@ -56,8 +56,9 @@ class _ValueRecorder(fx.Interpreter):
         return out
 
 
-def _partition_with(recorder: Callable) -> Callable:
-    """Inductor's partition entry point (joint-graph passes first), when present."""
+def inductor_partition(recorder: Callable) -> Callable:
+    """``recorder`` behind Inductor's partition entry point (joint-graph passes
+    first, as under compile_fx), when this torch has the override hook."""
     from torch._inductor import compile_fx as inductor_compile_fx
 
     partition_fn = getattr(inductor_compile_fx, "partition_fn", None)
@@ -106,7 +107,7 @@ def _recording_backend(captures: list[GraphCapture], record_values: bool, joint_
         bw_compiler=bw_compiler,
         # Inductor's joint passes fold a meta-device graph away (every value is
         # "uninitialised" there), so models on meta skip them.
-        partition_fn=_partition_with(partition) if joint_passes else partition,
+        partition_fn=inductor_partition(partition) if joint_passes else partition,
         decompositions=select_decomp_table(),
     )
 

@@ -1,0 +1,134 @@
+"""Calibration: measured gradient sensitivity per (unit kind, codec).
+
+For each unit kind (``mlp.gate_proj.linear``, ``self_attn.sdpa``, ...) one
+representative unit (in the middle layer) is compressed with one codec while
+every other unit is stored; the gradient of a calibration batch is compared
+with the exact (store-all) one:
+
+    sensitivity(kind, codec) = ||g_compressed - g_exact|| / ||g_exact|| / E
+
+where E is the batch's exposure in plan units (mean over samples of
+sum_t |c_t| times the number of samples; about mean |advantage| for GRPO).
+The value is written to every unit of that kind, so the solver's risk
+(sensitivity x bucket exposure) is a measured relative gradient error rather
+than the rel_l2 proxy. Layers of one kind share a measurement: their
+activations have the same statistics after normalisation, and the solver's
+sum over units bounds their joint error by the triangle inequality.
+
+Cost: one eager AOT compile and one forward+backward per (kind, codec),
+without Inductor codegen: about a second each for the ``tiny`` model and a
+few seconds for ``small`` at sequence 2048.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .partitioner import PlanPartitioner
+from .passes.capture import inductor_partition
+from .tracefile import RecoveryUnit, Trace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrationConfig:
+    """Options of ``calibrate``."""
+
+    #: Codecs to calibrate; None: every codec the trace measured as usable.
+    codecs: tuple[str, ...] | None = None
+    #: Layer whose units represent their kind; None: the middle layer.
+    layer: int | None = None
+    verbose: bool = True
+
+
+def _grab_graph(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list]:
+    """The dynamo graph of ``model`` and its real inputs (parameters included)."""
+    grabbed: list = []
+
+    def grab(gm: fx.GraphModule, inputs: Sequence[Any]):
+        grabbed.append((gm, list(inputs)))
+        return gm
+
+    def calibrated(*args: Any) -> Any:
+        return model(*args)
+
+    torch.compile(calibrated, backend=grab, dynamic=False)(*example_inputs)
+    if len(grabbed) != 1:
+        raise RuntimeError(f"calibration needs a model without graph breaks, found {len(grabbed)} graphs")
+    return grabbed[0]
+
+
+def _gradient(gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter],
+              loss_fn: Callable[[Any], torch.Tensor], decisions: Mapping[str, str]) -> torch.Tensor:
+    """The parameter gradient with ``decisions`` applied, run eagerly (no Inductor)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    partitioner = PlanPartitioner("calibration", decisions, "calibration", "calibration", [])
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g),
+                           bw_compiler=lambda g, _: make_boxed_func(g),
+                           partition_fn=inductor_partition(partitioner),
+                           decompositions=select_decomp_table())
+    compiled = backend(gm, inputs)
+    for p in params:
+        p.grad = None
+    out = compiled(*inputs)
+    loss_fn(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out).backward()
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def _representatives(trace: Trace, layer: int | None) -> dict[str, RecoveryUnit]:
+    """One unit per kind: the one in ``layer`` (middle by default) or the first."""
+    layers = sorted({u.layer for u in trace.units if u.layer is not None})
+    middle = layer if layer is not None else (layers[len(layers) // 2] if layers else None)
+    chosen: dict[str, RecoveryUnit] = {}
+    for unit in trace.units:
+        best = chosen.get(unit.kind)
+        if best is None or (unit.layer == middle and best.layer != middle):
+            chosen[unit.kind] = unit
+    return chosen
+
+
+def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
+              trace: Trace, *, exposure: float, config: CalibrationConfig = CalibrationConfig()) -> Trace:
+    """Measure sensitivity per (unit kind, codec) and return the trace with it filled in.
+
+    ``example_inputs`` must have the traced shape; ``exposure`` is the
+    calibration batch's exposure in plan units (see the module docstring).
+    """
+    if not exposure > 0:
+        raise ValueError(f"calibration exposure must be positive, got {exposure}")
+    gm, inputs = _grab_graph(model, example_inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    store_all = {u.key: "store" for u in trace.units}
+    exact = _gradient(gm, inputs, params, loss_fn, store_all)
+    measured: dict[tuple[str, str], float] = {}
+    for kind, unit in _representatives(trace, config.layer).items():
+        for codec, cost in unit.codecs.items():
+            if not cost.usable or (config.codecs is not None and codec not in config.codecs):
+                continue
+            approx = _gradient(gm, inputs, params, loss_fn, {**store_all, unit.key: f"compress:{codec}"})
+            rel = float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
+            measured[kind, codec] = rel / exposure
+            if config.verbose:
+                print(f"hilore calibrate: {kind:<40} {codec:<5} rel. gradient error {rel:.2e}",
+                      file=sys.stderr, flush=True)
+    for p in params:
+        p.grad = None
+    units = tuple(_with_sensitivity(u, measured) for u in trace.units)
+    note = (f"sensitivity calibrated on {len(measured)} (kind, codec) pairs at exposure {exposure:.3g}, "
+            "shared across layers of a kind")
+    return dataclasses.replace(trace, units=units, notes=(*trace.notes, note))
+
+
+def _with_sensitivity(unit: RecoveryUnit, measured: Mapping[tuple[str, str], float]) -> RecoveryUnit:
+    found = {codec: measured[unit.kind, codec] for codec, cost in unit.codecs.items()
+             if cost.usable and (unit.kind, codec) in measured}
+    return dataclasses.replace(unit, sensitivity={**unit.sensitivity, **found}) if found else unit

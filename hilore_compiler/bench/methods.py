@@ -252,4 +252,6 @@ def choose_bucket(backend: Any, exposures: torch.Tensor) -> str | None:
     graphs = getattr(backend, "graphs", None) or []
     if not graphs:
         return None
-    return graphs[0].plan.bucket_for(float(exposures.max()))
+    # Plans state exposure per sample as if it were the whole batch (see
+    # grpo.plan_buckets): undo the loss's 1/N normalisation.
+    return graphs[0].plan.bucket_for(float(exposures.max()) * exposures.numel())

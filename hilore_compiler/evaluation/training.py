@@ -99,7 +99,8 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 def digest(ids: torch.Tensor) -> str:
     """12 hex digits identifying a batch of token ids."""
-    return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
+    # Through a list, not .numpy(): numpy is not a dependency.
+    return hashlib.sha256(repr(ids.to(torch.int64).tolist()).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -107,7 +107,7 @@ class HiLoReBackend:
             if digest not in by_digest:
                 # Buckets with identical decisions share one compiled variant.
                 by_digest[digest] = name
-                partitioner = PlanPartitioner(name, decisions, plan.model, digest, records)
+                partitioner = PlanPartitioner(name, decisions, digest, records)
                 variants[name] = _compile_variant(gm, example_inputs, partitioner)
             variant_of[name] = by_digest[digest]
         solved = [b for b in plan.buckets if not b.skip]

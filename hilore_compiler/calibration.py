@@ -71,7 +71,7 @@ def _gradient(gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter]
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
-    partitioner = PlanPartitioner("calibration", decisions, "calibration", "calibration", [])
+    partitioner = PlanPartitioner("calibration", decisions, "calibration", [])
     backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g),
                            bw_compiler=lambda g, _: make_boxed_func(g),
                            partition_fn=inductor_partition(partitioner),

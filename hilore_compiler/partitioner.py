@@ -21,7 +21,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from .passes.annotate import UnitNodes, annotate_units, is_activation
-from .passes.apply import PlanMismatchError, apply_decisions
+from .passes.apply import apply_decisions
 from .passes.capture import saved_output_names
 
 
@@ -46,14 +46,11 @@ def saved_tensor_bytes(fw: fx.GraphModule, num_fwd_outputs: int, joint: fx.Graph
     Graph inputs and values hoisted from backward (``is_activation`` false in
     the joint graph) are not counted: no plan changes them.
     """
-    joint_nodes = {n.name: n for n in joint.graph.nodes}
-    outputs = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
+    saved = saved_output_names(fw, num_fwd_outputs)
     total = 0
-    for node in outputs[num_fwd_outputs:]:
-        source = joint_nodes.get(node.name) if isinstance(node, fx.Node) else None
-        if source is not None and is_activation(source):
-            val = source.meta["val"]
-            total += val.numel() * val.element_size()
+    for node in joint.graph.nodes:
+        if node.name in saved and is_activation(node):
+            total += node.meta["val"].numel() * node.meta["val"].element_size()
     return total
 
 
@@ -93,32 +90,20 @@ class PlanPartitioner(CustomPartitionerFn):
     """Min-cut partition of the joint graph after one bucket's plan is applied.
 
     ``decisions`` maps unit keys to options; a graph whose units differ from
-    the plan's is refused (``PlanMismatchError``), never partitioned by guess.
+    the plan's is refused by ``apply_decisions`` (``PlanMismatchError``),
+    never partitioned by guess.
     """
 
-    def __init__(self, bucket: str, decisions: Mapping[str, str], model: str,
+    def __init__(self, bucket: str, decisions: Mapping[str, str],
                  plan_digest: str, records: list[PartitionRecord]):
-        self.bucket, self.decisions, self.model = bucket, dict(decisions), model
+        self.bucket, self.decisions = bucket, dict(decisions)
         self.plan_digest, self.records = plan_digest, records
-
-    def decide(self, units: list[UnitNodes]) -> Mapping[str, str]:
-        graph_keys = {u.key for u in units}
-        if set(self.decisions) != graph_keys:
-            extra, missing = set(self.decisions) - graph_keys, graph_keys - set(self.decisions)
-            raise PlanMismatchError(
-                f"the plan (model {self.model!r}) does not match this graph: {len(extra)} plan "
-                f"units are not in it (e.g. {sorted(extra)[:2]}), {len(missing)} graph units are "
-                f"not in the plan (e.g. {sorted(missing)[:2]}). Trace this model "
-                "(hilore trace) and plan from that trace (hilore plan)"
-            )
-        return self.decisions
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()
         record = PartitionRecord(bucket=self.bucket)
         units, record.default_saved_bytes = default_units(gm, joint_inputs, **kwargs)
-        decisions = self.decide(units)
-        record.units, record.counts = len(units), apply_decisions(gm, units, decisions)
+        record.units, record.counts = len(units), apply_decisions(gm, units, self.decisions)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         record.saved_bytes = saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], gm)
         record.backward_flops = graph_flops(bw)

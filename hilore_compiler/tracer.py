@@ -20,7 +20,7 @@ import torch.fx as fx
 from .passes.annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
 from .passes.capture import GraphCapture, capture_joint_graphs
 from .passes.profile import ProfileConfig, profile_unit
-from .passes.sizes import concrete, nbytes_expr, shape_symbols
+from .passes.sizes import largest, nbytes_expr, shape_symbols, total_nbytes
 from .tracefile import RecoveryUnit, Trace, parse_size
 
 
@@ -72,14 +72,10 @@ def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch:
     per_layer: dict[int, sympy.Expr] = {}
     for u in units:
         if u.layer is not None:
-            per_layer[u.layer] = per_layer.get(u.layer, 0) + _unit_bytes(u, symbols)
-    largest = max(per_layer.values(), key=lambda e: concrete(e, batch, seq_len), default=sympy.Integer(0))
-    total = sum(boundary.values(), sympy.Integer(0)) + sum((_unit_bytes(u, symbols) for u in outside), sympy.Integer(0))
-    return sympy.expand(total + largest)
-
-
-def _unit_bytes(unit: UnitNodes, symbols) -> sympy.Expr:
-    return sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+            per_layer[u.layer] = per_layer.get(u.layer, 0) + total_nbytes(u.saved, symbols)
+    outside_bytes = total_nbytes((n for u in outside for n in u.saved), symbols)
+    total = sum(boundary.values(), sympy.Integer(0)) + outside_bytes
+    return sympy.expand(total + largest(per_layer.values(), batch, seq_len))
 
 
 def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph]) -> str:
@@ -132,15 +128,16 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         prefix = f"g{capture.index}/" if capture.index else ""
         graph_units = annotate_units(capture.joint, capture.saved_names, prefix)
         step = max(1, len(graph_units) // 10)
+        profiled = []
         for i, unit in enumerate(graph_units):
-            units.append(profile_unit(unit, capture.values, symbols, profile_config))
+            profiled.append(profile_unit(unit, capture.values, symbols, profile_config))
             if (i + 1) % step == 0 or i + 1 == len(graph_units):
                 say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
+        units += profiled
         # GC's backward also re-runs one unit's region at a time: its workspace.
-        workspace = max((parse_size(u.recompute_transient) for u in units[-len(graph_units):]),
-                        key=lambda e: concrete(e, batch, seq_len), default=sympy.Integer(0))
+        workspace = largest((parse_size(u.recompute_transient) for u in profiled), batch, seq_len)
         gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len) + workspace
-        store_total += sum((_unit_bytes(u, symbols) for u in graph_units), sympy.Integer(0))
+        store_total += sum((parse_size(u.bytes) for u in profiled), sympy.Integer(0))
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")

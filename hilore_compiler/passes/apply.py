@@ -25,7 +25,7 @@ from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import codecs as codec_registry
-from .annotate import UNIT_META, UnitNodes, is_backward, storage_root
+from .annotate import UnitNodes, frontier_keys, is_backward, storage_root
 
 STORE, RECOMPUTE, COMPRESS = "store", "recompute", "compress:"
 
@@ -55,17 +55,13 @@ def check_decisions(units: list[UnitNodes], decisions: Mapping[str, str]) -> Non
         if option == RECOMPUTE:
             if not unit.recomputable:
                 raise PlanMismatchError(f"plan recomputes {key}, which is not recomputable: {unit.not_recomputable_reason}")
-            compressed = [k for k in _frontier(unit) if decisions[k].startswith(COMPRESS)]
+            compressed = [k for k in frontier_keys(unit) if decisions[k].startswith(COMPRESS)]
             if compressed:
                 raise PlanMismatchError(f"plan recomputes {key} from compressed units {compressed}")
         elif option.startswith(COMPRESS):
             codec_registry.get_codec(option[len(COMPRESS):])
         elif option != STORE:
             raise PlanMismatchError(f"unknown option {option!r} for unit {key}")
-
-
-def _frontier(unit: UnitNodes) -> list[str]:
-    return list(dict.fromkeys(n.meta[UNIT_META] for n in unit.frontier))
 
 
 def apply_decisions(joint: fx.GraphModule, units: list[UnitNodes], decisions: Mapping[str, str]) -> dict[str, int]:

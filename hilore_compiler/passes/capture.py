@@ -79,6 +79,7 @@ def inductor_partition(recorder: Callable) -> Callable:
 
 
 def _recording_backend(captures: list[GraphCapture], record_values: bool, joint_passes: bool = True) -> Callable:
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -97,10 +98,11 @@ def _recording_backend(captures: list[GraphCapture], record_values: bool, joint_
                 return _ValueRecorder(gm, capture.saved_names, capture.values).run(*args)
             return gm(*args)
 
-        return run
+        # AOTAutograd calls compiled graphs with one list of arguments.
+        return make_boxed_func(run)
 
     def bw_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
-        return gm
+        return make_boxed_func(gm)
 
     return aot_autograd(
         fw_compiler=fw_compiler,

@@ -23,9 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import codecs as codec_registry
 from ..costmodel import DeviceSpec, device_spec, op_seconds
-from ..tracefile import CodecCost, RecoveryUnit
+from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
-from .sizes import concrete, nbytes_expr, shape_expr
+from .sizes import largest, nbytes_expr, shape_expr, total_nbytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,7 +113,7 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
     tensors = [values[n.name] for n in unit.saved]
     reason = _unusable_reason(codec, tensors)
     if reason:
-        raw = sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+        raw = total_nbytes(unit.saved, symbols)
         return CodecCost(bytes=str(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
     payload = sum(
@@ -173,7 +173,7 @@ def _codec_roofline_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, co
     # and writes the tensor back: twice both sizes of memory traffic.
     spec = device_spec(config.cost_model)
     raw = sum(t.numel() * t.element_size() for t in tensors)
-    moved = 2 * (raw + concrete(payload, config.batch, config.seq_len))
+    moved = 2 * (raw + eval_size(payload, config.batch, config.seq_len))
     return op_seconds(spec, 0.0, moved, tensors[0].dtype)
 
 
@@ -186,12 +186,12 @@ def _materialized(node: fx.Node, unit: UnitNodes) -> bool:
 
 def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> RecoveryUnit:
     """Measure (or estimate) every option's cost for one recovery unit."""
-    size = sum((nbytes_expr(n, symbols) for n in unit.saved), sympy.Integer(0))
+    size = total_nbytes(unit.saved, symbols)
     # Workspace: the largest single intermediate. Inductor fuses the
     # pointwise chains of a region, so its intermediates are not all alive at
     # once; summing them would overstate what recomputation holds.
-    transient = max((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
-                    key=lambda e: concrete(e, config.batch, config.seq_len), default=sympy.Integer(0))
+    transient = largest((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
+                        config.batch, config.seq_len)
     seconds, flops, source = _recompute_cost(unit, values, config)
     float_saved = all(n.meta["val"].is_floating_point() for n in unit.saved)
     codecs = {
@@ -201,7 +201,7 @@ def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: Profi
     dtype = str(unit.saved[0].meta["val"].dtype).removeprefix("torch.")
     return RecoveryUnit(
         key=unit.key, layer=unit.layer, kind=unit.kind, op=unit.op, dtype=dtype,
-        bytes=str(size), bytes_at_trace=concrete(size, config.batch, config.seq_len),
+        bytes=str(size), bytes_at_trace=eval_size(size, config.batch, config.seq_len),
         recompute_from=frontier_keys(unit), recompute_transient=str(transient),
         recompute_time_s=seconds, recompute_flops=int(flops), recompute_source=source,
         recomputable=unit.recomputable, not_recomputable_reason=unit.not_recomputable_reason,

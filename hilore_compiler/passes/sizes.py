@@ -7,11 +7,13 @@ trace's ``B`` and ``S`` so every size reads the same in every process.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import sympy
 import torch
 import torch.fx as fx
 
-from ..tracefile import B, S
+from ..tracefile import B, S, eval_size
 
 
 def _expr(dim: int | torch.SymInt) -> sympy.Expr:
@@ -57,5 +59,11 @@ def shape_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> tupl
     return tuple(sympy.expand(_expr(d).subs(symbols)) for d in node.meta["val"].shape)
 
 
-def concrete(expr: sympy.Expr, batch: int, seq_len: int) -> int:
-    return int(expr.subs({B: batch, S: seq_len}))
+def total_nbytes(nodes: Iterable[fx.Node], symbols: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
+    """Bytes of all tensors ``nodes`` produce."""
+    return sum((nbytes_expr(n, symbols) for n in nodes), sympy.Integer(0))
+
+
+def largest(exprs: Iterable[sympy.Expr], batch: int, seq_len: int) -> sympy.Expr:
+    """The expression with the largest value at (batch, seq_len); 0 if none."""
+    return max(exprs, key=lambda e: eval_size(e, batch, seq_len), default=sympy.Integer(0))

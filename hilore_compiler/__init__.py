@@ -33,16 +33,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "trace": ("hilore_compiler.tracer", "trace"),
-    "TraceConfig": ("hilore_compiler.tracer", "TraceConfig"),
+    "trace": ("hilore_compiler.passes.tracer", "trace"),
+    "TraceConfig": ("hilore_compiler.passes.tracer", "TraceConfig"),
     "solve": ("hilore_compiler.solver", "solve"),
-    "exposure": ("hilore_compiler.runtime", "exposure"),
+    "exposure": ("hilore_compiler.backend.runtime", "exposure"),
     "load_trace": ("hilore_compiler.tracefile", "load_trace"),
     "load_plan": ("hilore_compiler.planfile", "load_plan"),
     "Trace": ("hilore_compiler.tracefile", "Trace"),
     "Plan": ("hilore_compiler.planfile", "Plan"),
     "HiLoReBackend": ("hilore_compiler.backend", "HiLoReBackend"),
-    "calibrate": ("hilore_compiler.calibration", "calibrate"),
+    "calibrate": ("hilore_compiler.passes.calibration", "calibrate"),
 }
 
 __all__ = sorted(_EXPORTS)

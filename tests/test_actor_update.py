@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hilore_compiler import runtime
+from hilore_compiler.backend import runtime
 from hilore_compiler.grpo import (
     LOSS_TYPES,
     GRPOConfig,

@@ -7,10 +7,10 @@ import torch
 
 from hilore_compiler.backend import BackendOptions, HiLoReBackend
 from hilore_compiler.models import build_model, token_logprobs
-from hilore_compiler.runtime import exposure
+from hilore_compiler.backend.runtime import exposure
 from hilore_compiler.solver import fixed_plan, uniform_codec
 from hilore_compiler.tracefile import Trace
-from hilore_compiler.tracer import TraceConfig, trace
+from hilore_compiler.passes.tracer import TraceConfig, trace
 
 BATCH, SEQ = 2, 32
 CONFIG = TraceConfig(repeats=1, warmup=0, verbose=False, codecs=("bf16", "int8"))

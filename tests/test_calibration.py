@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hilore_compiler.calibration import CalibrationConfig, calibrate
+from hilore_compiler.passes.calibration import CalibrationConfig, calibrate
 from hilore_compiler.models import build_model, token_logprobs
 from hilore_compiler.solver import solve
-from hilore_compiler.tracer import TraceConfig, trace
+from hilore_compiler.passes.tracer import TraceConfig, trace
 
 
 def test_calibration_measures_sensitivity_per_kind():

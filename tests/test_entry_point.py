@@ -21,5 +21,5 @@ SCRIPT = textwrap.dedent("""
 def test_backend_resolves_without_importing_the_package():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == "hilore_compiler.backend hilore_backend"
+    assert lines[0] == "hilore_compiler.backend.compiler hilore_backend"
     assert lines[1] == "OptimizedModule"

@@ -16,7 +16,7 @@ from hilore_compiler.models import build_model, token_logprobs
 from hilore_compiler.passes.annotate import annotate_units, is_activation
 from hilore_compiler.passes.capture import capture_joint_graphs
 from hilore_compiler.tracefile import eval_size, load_trace
-from hilore_compiler.tracer import TraceConfig, trace
+from hilore_compiler.passes.tracer import TraceConfig, trace
 
 CONFIG = TraceConfig(model_name="tiny", repeats=1, warmup=0, verbose=False)
 

@@ -175,7 +175,7 @@ class UniformCodecBackend:
         return self.inner.graphs
 
     def _trace(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        from ..planning import cache_key, graph_shape, trace_graph
+        from ..backend.planning import cache_key, graph_shape, trace_graph
         from ..tracefile import load_trace
 
         key = cache_key(gm, example_inputs, self.options)

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
-from .. import runtime
+from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
 from .measure import StepSample, cpu_peak_supported, measure_step, mmap_threshold_set

@@ -25,10 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..calibration import CalibrationConfig, calibrate
+    from ..passes.calibration import CalibrationConfig, calibrate
     from ..models import build_model
     from ..tracefile import load_trace
-    from ..tracer import TraceConfig, trace
+    from ..passes.tracer import TraceConfig, trace
     from .trace import example_batch, grpo_trace_loss, trace_advantages
 
     model = build_model(args.model, seed=args.seed)

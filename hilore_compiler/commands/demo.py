@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..grpo import GRPOConfig, UpdateConfig, actor_update, plan_buckets
     from ..models import build_model
     from ..solver import solve
-    from ..tracer import TraceConfig, trace
+    from ..passes.tracer import TraceConfig, trace
     from .plan import summary_lines
     from .trace import example_batch, grpo_trace_loss
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..costmodel import DEVICES
+from ..passes.costmodel import DEVICES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +66,7 @@ def example_batch(model: torch.nn.Module, batch: int, seq_len: int, seed: int, d
 
 def run(args: argparse.Namespace) -> int:
     from ..models import build_model
-    from ..tracer import TraceConfig, trace
+    from ..passes.tracer import TraceConfig, trace
 
     roofline = args.cost_model != "measured"
     device = "meta" if roofline else "cpu"

@@ -80,7 +80,7 @@ def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = 
     errors are measured on the real activations either way).
     """
     from ..passes.capture import capture_graph_module
-    from ..tracer import TraceConfig, trace_captures
+    from ..passes.tracer import TraceConfig, trace_captures
 
     traces: list[Trace] = []
     config = TraceConfig(cost_model=cost_model, codecs=CODECS, model_name="tiny-eval", verbose=False)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import runtime
+from ..backend import runtime
 from .advantages import group_advantages
 from .buckets import ZERO, ExposureBuckets, exposure_buckets
 from .coefficients import exposure_before_backward, exposure_before_forward

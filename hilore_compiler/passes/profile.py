@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import codecs as codec_registry
-from ..costmodel import DeviceSpec, device_spec, op_seconds
+from .costmodel import DeviceSpec, device_spec, op_seconds
 from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
 from .sizes import largest, nbytes_expr, shape_expr, total_nbytes

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .partitioner import PlanPartitioner
-from .passes.capture import inductor_partition
-from .tracefile import RecoveryUnit, Trace
+from .capture import inductor_partition
+from .partition import partition_with_decisions
+from ..tracefile import RecoveryUnit, Trace
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +71,10 @@ def _gradient(gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter]
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
-    partitioner = PlanPartitioner("calibration", decisions, "calibration", [])
+    def partitioner(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        made = partition_with_decisions(joint, joint_inputs, decisions, **kwargs)
+        return made.fw, made.bw
+
     backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g),
                            bw_compiler=lambda g, _: make_boxed_func(g),
                            partition_fn=inductor_partition(partitioner),

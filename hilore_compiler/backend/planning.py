@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from .passes.apply import PlanMismatchError
-from .planfile import Plan, load_plan
-from .tracefile import Trace, load_trace
+from ..passes.apply import PlanMismatchError
+from ..planfile import Plan, load_plan
+from ..tracefile import Trace, load_trace
 
 if TYPE_CHECKING:
-    from .backend import BackendOptions
+    from .options import BackendOptions
 
 #: Bumped when traces or plans made by older code must not be reused.
 CACHE_VERSION = "1"
@@ -67,7 +67,7 @@ def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backen
 
 
 def _solve(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> Plan:
-    from .solver import DEFAULT_RISK_BUDGET, solve
+    from ..solver import DEFAULT_RISK_BUDGET, solve
 
     risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
     return solve(trace, budget=options.memory_budget, risk_budget=risk, buckets=options.buckets,
@@ -124,8 +124,8 @@ def plan_for_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
 def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions,
                 batch: int, seq_len: int, name: str) -> Trace:
     """Trace and profile one dynamo graph on the inputs it was compiled for."""
-    from .passes.capture import capture_graph_module
-    from .tracer import TraceConfig, trace_captures
+    from ..passes.capture import capture_graph_module
+    from ..passes.tracer import TraceConfig, trace_captures
 
     capture = capture_graph_module(gm, example_inputs)
     config = TraceConfig(model_name=name, codecs=tuple(options.codecs), verbose=False)

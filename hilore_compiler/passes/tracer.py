@@ -17,11 +17,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .passes.annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
-from .passes.capture import GraphCapture, capture_joint_graphs
-from .passes.profile import ProfileConfig, profile_unit
-from .passes.sizes import largest, nbytes_expr, shape_symbols, total_nbytes
-from .tracefile import RecoveryUnit, Trace, parse_size
+from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
+from .capture import GraphCapture, capture_joint_graphs
+from .profile import ProfileConfig, profile_unit
+from .sizes import largest, nbytes_expr, shape_symbols, total_nbytes
+from ..tracefile import RecoveryUnit, Trace, parse_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,9 +20,9 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from .passes.annotate import UnitNodes, annotate_units, is_activation
-from .passes.apply import apply_decisions
-from .passes.capture import saved_output_names
+from ..passes.annotate import UnitNodes, annotate_units, is_activation
+from ..passes.apply import apply_decisions
+from ..passes.capture import saved_output_names
 
 
 @dataclass(slots=True)

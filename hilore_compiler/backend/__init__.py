@@ -1,0 +1,20 @@
+"""The ``hilore`` torch.compile backend.
+
+Modules, in the order a compile meets them:
+
+- ``options``     ``BackendOptions``: what ``options={...}`` may say.
+- ``planning``    where a graph's plan comes from (given, cached, solved now).
+- ``partitioner`` the custom partitioner Inductor calls: plan, apply, min-cut.
+- ``compiler``    ``HiLoReBackend``: one Inductor variant per distinct bucket plan.
+- ``runtime``     ``exposure(bucket)``: which compiled variant runs.
+
+``torch.compile(model, backend="hilore")`` resolves to ``hilore_backend``
+through the ``torch_dynamo_backends`` entry point.
+"""
+
+from .compiler import LAST_BACKENDS, CompiledGraph, HiLoReBackend, hilore_backend
+from .options import BackendOptions
+from .runtime import current_bucket, exposure
+
+__all__ = ["BackendOptions", "CompiledGraph", "HiLoReBackend", "LAST_BACKENDS", "current_bucket",
+           "exposure", "hilore_backend"]

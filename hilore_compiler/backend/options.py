@@ -33,6 +33,10 @@ class BackendOptions:
         "HILORE_CACHE_DIR", str(Path.home() / ".cache" / "hilore")))
     #: Say on stderr what was planned and where the plan is.
     verbose: bool = True
+    #: Raise instead of falling back to Inductor's own choice when a plan does
+    #: not fit the graph (units without a decision, plan units not in the graph)
+    #: or a graph cannot be planned.
+    strict: bool = False
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> BackendOptions:

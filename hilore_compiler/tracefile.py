@@ -9,38 +9,21 @@ them, so a plan can be made offline, on another machine, for another shape.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import sympy
-
-from .jsonio import FormatError, read_json, require, write_json_atomic
+from .jsonio import FormatError, as_object, optional, read_json, require, write_json_atomic
+from .sizeexpr import SHAPE_SYMBOLS, B, S, eval_size, parse_size
+from .validate import raise_problems, trace_problems
 
 TRACE_SCHEMA = "hilore.trace/v1"
 
-#: The shape symbols every size expression may use.
-B, S = sympy.symbols("B S", positive=True, integer=True)
-SHAPE_SYMBOLS = {"B": B, "S": S}
-
-
-def parse_size(expr: str, where: str = "size") -> sympy.Expr:
-    """Parse a size expression such as ``"4*B*S*64"`` (only B and S allowed)."""
-    try:
-        value = sympy.sympify(expr, locals=SHAPE_SYMBOLS)
-    except (sympy.SympifyError, SyntaxError, TypeError) as e:
-        raise FormatError(f"{where}: cannot parse size expression {expr!r}") from e
-    unknown = value.free_symbols - {B, S}
-    if unknown:
-        raise FormatError(f"{where}: size {expr!r} uses unknown symbols {sorted(map(str, unknown))}")
-    return value
-
-
-def eval_size(expr: str | sympy.Expr, batch: int, seq_len: int) -> int:
-    """Evaluate a size expression at a concrete shape."""
-    value = parse_size(expr) if isinstance(expr, str) else expr
-    return int(value.subs({B: batch, S: seq_len}))
+# Sizes live in ``sizeexpr``; these names stay importable from here.
+__all__ = ["B", "S", "SHAPE_SYMBOLS", "CodecCost", "RecoveryUnit", "Trace", "TRACE_SCHEMA",
+           "eval_size", "load_trace", "parse_size", "trace_from_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,61 +114,74 @@ class Trace:
         return {"schema": TRACE_SCHEMA, **payload}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the trace atomically as ``hilore.trace/v1`` JSON."""
-        return write_json_atomic(path, self.to_json())
+        """Write the trace atomically as ``hilore.trace/v1`` JSON.
+
+        The payload is first read back as ``load_trace`` would read the file,
+        so a trace that could not be loaded is never written (FormatError).
+        """
+        payload = json.loads(json.dumps(self.to_json()))
+        trace_from_json(payload, where=f"trace for {path}")
+        return write_json_atomic(path, payload)
 
 
-def _codec_cost(obj: dict[str, Any], where: str) -> CodecCost:
+def _number(obj: dict[str, Any], key: str, where: str) -> float:
+    """A JSON number (not a boolean); range checks are ``validate``'s."""
+    return float(require(obj, key, (int, float), where))
+
+
+def _codec_cost(obj: Any, where: str) -> CodecCost:
+    obj = as_object(obj, where)
     return CodecCost(
-        bytes=str(require(obj, "bytes", str, where)),
-        time_s=float(require(obj, "time_s", (int, float), where)),
-        rel_l2=float(require(obj, "rel_l2", (int, float), where)),
-        max_abs=float(require(obj, "max_abs", (int, float), where)),
+        bytes=require(obj, "bytes", str, where),
+        time_s=_number(obj, "time_s", where),
+        rel_l2=_number(obj, "rel_l2", where),
+        max_abs=_number(obj, "max_abs", where),
         source=require(obj, "source", str, where),
-        usable=bool(obj.get("usable", True)),
-        reason=obj.get("reason"),
+        usable=optional(obj, "usable", bool, where, True),
+        reason=optional(obj, "reason", (str, type(None)), where, None),
     )
 
 
-def _unit(obj: dict[str, Any], where: str) -> RecoveryUnit:
+def _unit(obj: Any, where: str) -> RecoveryUnit:
+    obj = as_object(obj, where)
     key = require(obj, "key", str, where)
     where = f"{where}[{key}]"
-    bytes_expr = require(obj, "bytes", str, where)
-    parse_size(bytes_expr, f"{where}.bytes")
+    layer = optional(obj, "layer", (int, type(None)), where, None)
     codecs = require(obj, "codecs", dict, where)
+    sensitivity = optional(obj, "sensitivity", dict, where, {})
     return RecoveryUnit(
         key=key,
-        layer=obj.get("layer"),
+        layer=layer,
         kind=require(obj, "kind", str, where),
         op=require(obj, "op", str, where),
         dtype=require(obj, "dtype", str, where),
-        bytes=bytes_expr,
-        bytes_at_trace=int(require(obj, "bytes_at_trace", int, where)),
+        bytes=require(obj, "bytes", str, where),
+        bytes_at_trace=require(obj, "bytes_at_trace", int, where),
         recompute_from=tuple(require(obj, "recompute_from", list, where)),
-        recompute_transient=str(require(obj, "recompute_transient", str, where)),
-        recompute_time_s=float(require(obj, "recompute_time_s", (int, float), where)),
-        recompute_flops=int(require(obj, "recompute_flops", int, where)),
+        recompute_transient=require(obj, "recompute_transient", str, where),
+        recompute_time_s=_number(obj, "recompute_time_s", where),
+        recompute_flops=require(obj, "recompute_flops", int, where),
         recompute_source=require(obj, "recompute_source", str, where),
-        recomputable=bool(require(obj, "recomputable", bool, where)),
-        not_recomputable_reason=obj.get("not_recomputable_reason"),
+        recomputable=require(obj, "recomputable", bool, where),
+        not_recomputable_reason=optional(obj, "not_recomputable_reason", (str, type(None)), where, None),
         codecs={n: _codec_cost(c, f"{where}.codecs.{n}") for n, c in codecs.items()},
-        sensitivity={n: float(v) for n, v in obj.get("sensitivity", {}).items()},
+        sensitivity={n: _number(sensitivity, n, f"{where}.sensitivity") for n in sensitivity},
     )
 
 
 def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
-    """Build a Trace from parsed JSON, naming the field that is wrong if any."""
+    """Build and validate a Trace from parsed JSON; a FormatError names the wrong field.
+
+    Every size is parsed with the whitelisted grammar of ``sizeexpr`` (never
+    evaluated as Python) and checked at the traced shape; see ``validate``.
+    """
+    payload = as_object(payload, where)
     if payload.get("schema") != TRACE_SCHEMA:
         raise FormatError(f"{where}: schema is {payload.get('schema')!r}, expected {TRACE_SCHEMA!r}")
     units = tuple(
         _unit(u, f"{where}.units[{i}]") for i, u in enumerate(require(payload, "units", list, where))
     )
-    keys = {u.key for u in units}
-    for u in units:
-        missing = set(u.recompute_from) - keys
-        if missing:
-            raise FormatError(f"{where}: unit {u.key} recomputes from unknown units {sorted(missing)}")
-    return Trace(
+    trace = Trace(
         fingerprint=require(payload, "fingerprint", str, where),
         model=require(payload, "model", str, where),
         batch=require(payload, "batch", int, where),
@@ -196,10 +192,12 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         gc_bytes=require(payload, "gc_bytes", str, where),
         store_bytes=require(payload, "store_bytes", str, where),
         num_layers=require(payload, "num_layers", int, where),
-        torch_version=payload.get("torch_version", ""),
-        graph_breaks=tuple(payload.get("graph_breaks", ())),
-        notes=tuple(payload.get("notes", ())),
+        torch_version=optional(payload, "torch_version", str, where, ""),
+        graph_breaks=tuple(optional(payload, "graph_breaks", list, where, [])),
+        notes=tuple(optional(payload, "notes", list, where, [])),
     )
+    raise_problems(trace_problems(trace, where))
+    return trace
 
 
 def load_trace(path: str | os.PathLike) -> Trace:

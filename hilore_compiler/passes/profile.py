@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import codecs as codec_registry
 from .costmodel import DeviceSpec, device_spec, op_seconds
+from ..sizeexpr import format_size
 from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
 from .sizes import largest, nbytes_expr, shape_expr, total_nbytes
@@ -114,7 +115,7 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
     reason = _unusable_reason(codec, tensors)
     if reason:
         raw = total_nbytes(unit.saved, symbols)
-        return CodecCost(bytes=str(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
+        return CodecCost(bytes=format_size(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
     payload = sum(
         (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.saved),
@@ -122,7 +123,7 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
     )
 
     def unusable(reason: str) -> CodecCost:
-        return CodecCost(bytes=str(payload), time_s=0.0, rel_l2=0.0, max_abs=0.0,
+        return CodecCost(bytes=format_size(payload), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
 
     try:
@@ -133,7 +134,7 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
         seconds = _median_seconds(lambda: [codec.decode(codec.encode(t), t.dtype) for t in tensors], config)
     else:
         seconds = _codec_roofline_seconds(tensors, payload, config)
-    return CodecCost(bytes=str(payload), time_s=seconds, rel_l2=rel, max_abs=max_abs,
+    return CodecCost(bytes=format_size(payload), time_s=seconds, rel_l2=rel, max_abs=max_abs,
                      source=config.cost_model)
 
 
@@ -201,8 +202,8 @@ def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: Profi
     dtype = str(unit.saved[0].meta["val"].dtype).removeprefix("torch.")
     return RecoveryUnit(
         key=unit.key, layer=unit.layer, kind=unit.kind, op=unit.op, dtype=dtype,
-        bytes=str(size), bytes_at_trace=eval_size(size, config.batch, config.seq_len),
-        recompute_from=frontier_keys(unit), recompute_transient=str(transient),
+        bytes=format_size(size), bytes_at_trace=eval_size(size, config.batch, config.seq_len),
+        recompute_from=frontier_keys(unit), recompute_transient=format_size(transient),
         recompute_time_s=seconds, recompute_flops=int(flops), recompute_source=source,
         recomputable=unit.recomputable, not_recomputable_reason=unit.not_recomputable_reason,
         codecs=codecs,

@@ -21,6 +21,7 @@ from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_f
 from .capture import GraphCapture, capture_joint_graphs
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, total_nbytes
+from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, parse_size
 
 
@@ -145,8 +146,8 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     return Trace(
         fingerprint=fingerprint(((u.key, u.kind, u.dtype) for u in units), (c.joint.graph for c in captures)),
         model=config.model_name, batch=batch, seq_len=seq_len, device=device,
-        cost_source=config.cost_model, units=tuple(units), gc_bytes=str(gc_total),
-        store_bytes=str(sympy.expand(store_total)),
+        cost_source=config.cost_model, units=tuple(units), gc_bytes=format_size(gc_total),
+        store_bytes=format_size(sympy.expand(store_total)),
         num_layers=len({u.layer for u in units if u.layer is not None}),
         torch_version=torch.__version__,
         graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),

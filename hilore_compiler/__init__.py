@@ -17,11 +17,12 @@ pipeline order:
 - ``runtime``        ``exposure(bucket)``: which compiled variant runs.
 - ``grpo/``          GRPO loss, token coefficients, exposure, buckets, actor update.
 - ``bench/``, ``evaluation/``  throughput/memory benchmark and fidelity checks.
+- ``distributed/``   per-block compile (``compile_blocks``), FSDP2, one plan on every rank.
 - ``codecs/``        bf16, int8, fp8: eager reference and FX graph builders.
 - ``cli``            the ``hilore`` command.
 
 Public API: ``trace``, ``solve``, ``exposure``, ``load_trace``, ``load_plan``,
-``HiLoReBackend``. Heavy modules load on first use, so ``import hilore_compiler``
+``HiLoReBackend``, ``compile_blocks``. Heavy modules load on first use, so ``import hilore_compiler``
 is cheap.
 """
 
@@ -43,6 +44,7 @@ _EXPORTS = {
     "Plan": ("hilore_compiler.planfile", "Plan"),
     "HiLoReBackend": ("hilore_compiler.backend", "HiLoReBackend"),
     "calibrate": ("hilore_compiler.passes.calibration", "calibrate"),
+    "compile_blocks": ("hilore_compiler.distributed.blocks", "compile_blocks"),
 }
 
 __all__ = sorted(_EXPORTS)

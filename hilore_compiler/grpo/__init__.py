@@ -2,7 +2,8 @@
 
 Modules in pipeline order:
 
-- ``config``: ``GRPOConfig``, the loss options (TRL / verl names in comments).
+- ``config``: ``GRPOLossConfig`` (alias ``GRPOConfig``), the loss options (TRL /
+  verl names in comments); ``GRPOLossConfig.from_trl(trl_args)``.
 - ``advantages``: group-relative advantages from rewards.
 - ``loss``: the clipped policy loss with its normalisations, as one weighted
   token sum.
@@ -22,7 +23,7 @@ from .coefficients import (
     token_coefficients,
     token_coefficients_before_forward,
 )
-from .config import LOSS_TYPES, SCALE_REWARDS, GRPOConfig
+from .config import LOSS_TYPES, SCALE_REWARDS, GRPOConfig, GRPOLossConfig, trl_unsupported
 from .loss import grpo_loss, k3_kl, per_token_loss, token_weights
 from .update import (
     RolloutBatch,
@@ -40,6 +41,7 @@ __all__ = [
     "ZERO",
     "ExposureBuckets",
     "GRPOConfig",
+    "GRPOLossConfig",
     "RolloutBatch",
     "UpdateConfig",
     "UpdatePlan",
@@ -60,4 +62,5 @@ __all__ = [
     "token_coefficients_before_forward",
     "token_logprobs",
     "token_weights",
+    "trl_unsupported",
 ]

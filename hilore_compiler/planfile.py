@@ -7,7 +7,8 @@ plan can be read and diffed without its trace.
 
 The exposure buckets partition exposure: the ``zero`` bucket is the single
 point exposure == 0 (no backward needed, plan ``skip``); every other bucket is
-the half-open range ``[lo, hi)``, ``hi`` may be infinite (``null`` in JSON).
+the half-open range ``(lo, hi]`` (``vocabulary.in_bucket``), ``hi`` may be
+infinite (``null`` in JSON).
 """
 
 from __future__ import annotations
@@ -19,28 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from .jsonio import FormatError, read_json, require, write_json_atomic
+# The option words, the zero bucket's name and the interval rule live in
+# ``vocabulary``; re-exported here because plan readers import them from here.
+from .vocabulary import COMPRESS_PREFIX, RECOMPUTE, SKIP, STORE, ZERO_BUCKET, in_bucket, is_option  # noqa: F401
 
 PLAN_SCHEMA = "hilore.plan/v1"
 
-#: Name of the bucket whose samples reach the update with zero weight.
-ZERO_BUCKET = "zero"
-#: The zero bucket's plan: the runtime skips backward for it altogether.
-SKIP = "skip"
-STORE = "store"
-RECOMPUTE = "recompute"
-COMPRESS_PREFIX = "compress:"
-
-
-def is_option(option: str) -> bool:
-    """True for ``store``, ``recompute`` and ``compress:<codec>``."""
-    return option in (STORE, RECOMPUTE) or (
-        option.startswith(COMPRESS_PREFIX) and len(option) > len(COMPRESS_PREFIX)
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class BucketSpec:
-    """An exposure range ``[lo, hi)`` planned for at one representative exposure.
+    """An exposure range ``(lo, hi]`` planned for at one representative exposure.
 
     Positional for convenience: ``BucketSpec("b0", 0.0, 0.5, 0.5)``.
     """
@@ -103,12 +91,18 @@ class BucketPlan:
     kept_bytes: int
     transient_bytes: int
     time_s: float
-    #: Sum over compressed units of sensitivity x this bucket's exposure.
+    #: This bucket's predicted share of the whole update's squared relative
+    #: gradient error: mass_share^2 x sum over compressed units of
+    #: sensitivity^2 (``solver/risk.py``). The buckets' risks add up.
     risk: float
     #: True if some compressed unit's sensitivity was the rel_l2 proxy.
     proxy_sensitivity: bool
     solver: SolverStats | None
     notes: tuple[str, ...] = ()
+    #: The exposure mix the plan was solved for: this bucket's share of a
+    #: batch's samples and of its coefficient mass (None: not recorded).
+    sample_share: float | None = None
+    mass_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,7 +149,7 @@ class Plan:
         if exposure == 0 and any(b.skip for b in self.buckets):
             return next(b.bucket.name for b in self.buckets if b.skip)
         for spec in solved:
-            if spec.lo <= exposure < spec.hi:
+            if in_bucket(exposure, spec.lo, spec.hi):
                 return spec.name
         return max(solved, key=lambda s: s.exposure).name
 
@@ -197,6 +191,7 @@ def _bucket_json(b: BucketPlan) -> dict[str, Any]:
             "risk": b.risk,
         },
         "proxy_sensitivity": b.proxy_sensitivity,
+        "mix": {"sample_share": b.sample_share, "mass_share": b.mass_share},
         "solver": None if b.solver is None else {
             "status": b.solver.status, "seconds": b.solver.seconds,
             "objective": b.solver.objective, "gap": b.solver.gap,
@@ -298,7 +293,22 @@ def _bucket_from_json(obj: Any, units: dict[str, PlanUnit], where: str) -> Bucke
         proxy_sensitivity=require(obj, "proxy_sensitivity", bool, where),
         solver=_solver_from_json(obj.get("solver"), where),
         notes=tuple(require(obj, "notes", list, where)),
+        **_mix_from_json(obj.get("mix"), where),
     )
+
+
+def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:
+    """The optional ``mix`` record (older plans have none)."""
+    if obj is None:
+        return {}
+    obj = _as_object(obj, f"{where}.mix")
+    out = {}
+    for name in ("sample_share", "mass_share"):
+        value = obj.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, _NUM)):
+            raise FormatError(f"{where}.mix.{name}: expected a number or null")
+        out[name] = None if value is None else float(value)
+    return out
 
 
 def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:

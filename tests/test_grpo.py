@@ -245,3 +245,55 @@ def test_config_is_frozen_and_keyword_only():
     with pytest.raises(TypeError):
         GRPOConfig("grpo")  # type: ignore[misc]
     assert not hasattr(cfg, "__dict__") and math.isclose(cfg.adv_eps, 1e-4)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("dual", [False, True])
+def test_off_policy_bound_never_understates_the_exposure_after_the_forward(loss_type, dual):
+    """Second-iteration ratios (0.3..4, clipped and dual-clipped tokens): the
+    pre-forward bound is >= the exact exposure for every sample, is finite for
+    every sample when a dual clip caps negative advantages, and keeps zero at zero."""
+    from hilore_compiler.grpo.coefficients import exposure_bound_before_forward
+
+    cfg = config(loss_type, dual=dual)
+    for seed in range(5):
+        logp, old, adv, mask, _ = make_inputs(seed)
+        exact = exposure_before_backward(logp, old, adv, mask, cfg, **normaliser(loss_type))
+        bound = exposure_bound_before_forward(adv, mask, cfg, on_policy=False, **normaliser(loss_type))
+        assert (bound >= exact - 1e-12).all(), (bound, exact)
+        assert bound[2] == 0.0 and bound[-1] == 0.0  # zero advantage, no tokens: exactly zero
+        negative = (adv < 0) & (mask.sum(-1) > 0)
+        assert torch.isfinite(bound[negative]).all() == dual  # no dual clip: no bound, top bucket
+    # The on-policy estimate understates a negative-advantage sample whose ratios
+    # grew to 2.5 (unclipped below the dual clip c = 3); the bound does not.
+    logp, adv, mask = torch.zeros(1, T, dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64), \
+        torch.ones(1, T, dtype=torch.float64)
+    old = logp - math.log(2.5)
+    exact = exposure_before_backward(logp, old, adv, mask, cfg, **normaliser(loss_type))
+    on = exposure_bound_before_forward(adv, mask, cfg, on_policy=True, **normaliser(loss_type))
+    off = exposure_bound_before_forward(adv, mask, cfg, on_policy=False, **normaliser(loss_type))
+    assert on < exact <= off
+    # With a KL term nothing is known off-policy: every sample goes to the top bucket.
+    kl = exposure_bound_before_forward(adv, mask, config(loss_type, kl=True), on_policy=False,
+                                       **normaliser(loss_type))
+    assert torch.isinf(kl).all()
+
+
+def test_plan_and_batch_buckets_share_one_interval_rule():
+    """(lo, hi]: an exposure at an edge is in the lower bucket for the plan and the batch alike."""
+    from hilore_compiler.grpo import plan_buckets
+    from hilore_compiler.solver.risk import default_buckets
+    from hilore_compiler.vocabulary import to_batch_exposure
+
+    class _Plan:  # plan_buckets reads only the bucket records
+        def __init__(self, specs):
+            self.buckets = [type("B", (), {"bucket": s, "skip": False}) for s in specs]
+
+    specs = default_buckets(3)
+    n = 16
+    batch = plan_buckets(_Plan(specs), n)
+    probes = [0.25, specs[0].hi, specs[0].hi * 1.001, specs[1].hi, 10.0, math.inf]
+    names = batch.assign(torch.tensor([to_batch_exposure(x, n) for x in probes], dtype=torch.float64))
+    from hilore_compiler.planfile import Plan
+    expected = [Plan.bucket_for(_Plan(specs), x) for x in probes]
+    assert names == expected == ["b0", "b0", "b1", "b1", "b2", "b2"]

@@ -4,6 +4,8 @@ Bucket ``"zero"`` holds samples whose exposure is exactly 0 (all c_t = 0, e.g.
 a group with equal rewards and no KL term): they need no backward at all.
 The nonzero exposures are split at quantiles into ``"b0"`` (lowest) ...
 ``"b{n-1}"`` (highest), so each bucket gets about the same number of samples.
+Names, the interval rule ``(lo, hi]`` and the plan <-> batch exposure units
+come from ``hilore_compiler.vocabulary``.
 """
 
 from __future__ import annotations
@@ -15,14 +17,11 @@ import torch
 from torch import Tensor
 
 from ..jsonio import FormatError, require
+from ..vocabulary import ZERO_BUCKET, bucket_name, bucket_names, to_batch_exposure
 
 BUCKETS_SCHEMA = "hilore.buckets/v1"
-ZERO = "zero"
-
-
-def bucket_names(n_buckets: int) -> tuple[str, ...]:
-    """``("zero", "b0", ..., "b{n-1}")``."""
-    return (ZERO, *(f"b{i}" for i in range(n_buckets)))
+#: The zero bucket's name (``vocabulary.ZERO_BUCKET``), kept under its old name here.
+ZERO = ZERO_BUCKET
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +55,11 @@ class ExposureBuckets:
         """Bucket name of each sample: (B,) exposures -> B names."""
         x = exposures.detach().to("cpu", torch.float64).reshape(-1)  # (B,)
         inner = torch.tensor(self.edges[1:-1], dtype=torch.float64)  # (n - 1,)
-        index = torch.searchsorted(inner, x, right=False)  # (B,) edges strictly below x
+        # (lo, hi]: the number of inner edges strictly below x is x's bucket; an
+        # infinite exposure (no bound before the forward) lands in the top one.
+        index = torch.searchsorted(inner, x, right=False)  # (B,)
         # Exactly zero, not "small": only then is skipping the backward exact.
-        return [ZERO if v == 0.0 else f"b{i}" for v, i in zip(x.tolist(), index.tolist())]
+        return [ZERO if v == 0.0 else bucket_name(i) for v, i in zip(x.tolist(), index.tolist())]
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": BUCKETS_SCHEMA, "edges": list(self.edges), "names": list(self.names)}
@@ -88,7 +89,9 @@ def exposure_buckets(exposures: Tensor, n_buckets: int) -> ExposureBuckets:
     if n_buckets < 1:
         raise ValueError(f"n_buckets must be >= 1, got {n_buckets}")
     x = exposures.detach().to("cpu", torch.float64).reshape(-1)
-    nonzero = x[x != 0.0]
+    # Unbounded (inf) exposures go to the top bucket whatever the edges; they
+    # would make the quantiles infinite.
+    nonzero = x[(x != 0.0) & torch.isfinite(x)]
     if nonzero.numel() == 0:
         return ExposureBuckets(edges=(0.0,) * (n_buckets + 1), names=bucket_names(n_buckets))
     q = torch.linspace(0.0, 1.0, n_buckets + 1, dtype=torch.float64)
@@ -99,15 +102,10 @@ def exposure_buckets(exposures: Tensor, n_buckets: int) -> ExposureBuckets:
 
 
 def plan_buckets(plan: Any, num_sequences: int) -> ExposureBuckets:
-    """The plan's exposure buckets in the units of this batch's exposures.
-
-    Plans state exposure per sample as if the sample were the whole batch
-    (|advantage| ~ 1 gives exposure ~ 1, see ``solver/risk.py``); a sample's
-    exposure in a batch of ``num_sequences`` carries the loss's 1/N
-    normalisation, so the plan's edges are divided by N here.
-    """
-    solved = sorted((b.bucket for b in plan.buckets if not b.skip), key=lambda s: s.exposure)
-    if [s.name for s in solved] != [f"b{i}" for i in range(len(solved))]:
+    """The plan's exposure buckets in the units of this batch's exposures
+    (``vocabulary.to_batch_exposure``: the plan's edges divided by N)."""
+    solved = sorted((b.bucket for b in plan.buckets if not b.skip), key=lambda s: s.lo)
+    if [s.name for s in solved] != list(bucket_names(len(solved))[1:]):
         raise ValueError(f"plan buckets must be b0..b{len(solved) - 1}, got {[s.name for s in solved]}")
-    inner = [s.hi / num_sequences for s in solved[:-1]]
+    inner = [to_batch_exposure(s.hi, num_sequences) for s in solved[:-1]]
     return ExposureBuckets(edges=(0.0, *inner, float("inf")), names=bucket_names(len(solved)))

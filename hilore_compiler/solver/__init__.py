@@ -4,11 +4,14 @@ Knows no torch (plans are made offline, on any machine). Modules in the order
 a plan is made:
 
 - ``budget``:  parse memory budgets (``6GiB``, ``1.10x-gc``, ``0.5x-store``).
-- ``risk``:    sensitivity x exposure, default exposure buckets and risk budget.
+- ``risk``:    predicted error of the whole update: sensitivities, how they
+               combine, the cosine target, default buckets.
+- ``mix``:     the exposure mix (samples and coefficient mass per bucket).
 - ``memory``:  the memory / time model at a shape; ``simulate`` re-checks plans.
-- ``ilp``:     the ILP per bucket (PuLP + CBC) and the min-memory ILP.
+- ``ilp``:     one ILP over all buckets (PuLP + CBC) and the min-memory ILP.
 - ``planner``: ``solve`` ties them together and verifies every answer.
-- ``fixed``:   plans with given decisions (baselines), checked the same way.
+- ``fixed``:   plans with given decisions (baselines, controls), checked the
+               same way; the one uniform-plan builder.
 - ``pareto``:  the memory-time curve over a range of budgets.
 - ``synthetic``: roofline-costed decoder traces for tests and demos.
 """
@@ -19,12 +22,25 @@ from .fixed import fixed_plan, uniform_codec
 from .ilp import SolverOptions, SolverUnavailableError
 from .memory import CostModel, Prediction, cost_model, simulate
 from .pareto import ParetoCurve, ParetoPoint, pareto_curve
-from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, solve
-from .risk import DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, PROXY_FACTOR, default_buckets
+from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, save_exposure_mix
+from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, predicted_error, solve
+from .risk import (
+    DEFAULT_NUM_BUCKETS,
+    DEFAULT_RISK_BUDGET,
+    DEFAULT_TARGET_COSINE,
+    PROXY_FACTOR,
+    cosine_to_error2,
+    default_buckets,
+    error2_to_cosine,
+    parse_risk_budget,
+)
 
 __all__ = [
     "Budget", "BucketSpec", "CostModel", "DEFAULT_BUDGET", "DEFAULT_NUM_BUCKETS",
-    "DEFAULT_RISK_BUDGET", "InfeasibleBudgetError", "PROXY_FACTOR", "ParetoCurve", "ParetoPoint",
-    "Prediction", "SolverOptions", "SolverUnavailableError", "cost_model", "default_buckets",
-    "fixed_plan", "format_bytes", "pareto_curve", "parse_budget", "simulate", "solve", "uniform_codec",
+    "DEFAULT_RISK_BUDGET", "DEFAULT_TARGET_COSINE", "InfeasibleBudgetError", "PROXY_FACTOR",
+    "ParetoCurve", "ParetoPoint", "Prediction", "SolverOptions", "SolverUnavailableError",
+    "bucket_shares", "cosine_to_error2", "cost_model", "default_buckets", "default_exposure_mix",
+    "error2_to_cosine", "fixed_plan", "format_bytes", "load_exposure_mix", "pareto_curve",
+    "parse_budget", "parse_risk_budget", "predicted_error", "save_exposure_mix", "simulate", "solve",
+    "uniform_codec",
 ]

@@ -1,64 +1,92 @@
-"""Plans whose decisions are given rather than solved (baselines, tests, experts).
+"""Plans whose decisions are given rather than solved (baselines, controls, tests).
 
-The decisions are still checked against the model's rules and re-simulated,
-so a fixed plan carries the same predictions as a solved one.
+The one uniform-plan builder of the project: the bench's uniform-codec
+baseline, the eval's exposure-blind control and store-all arms all come from
+``fixed_plan``. The decisions are still checked against the model's rules and
+re-simulated, so a fixed plan carries the same predictions (memory, time,
+risk over the exposure mix) as a solved one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
-from ..planfile import BucketPlan, Plan
-from ..tracefile import RecoveryUnit, Trace
-from .memory import plan_risk, rule_violations, simulate
-from .planner import _plan_units, _skip_bucket, prepare
-from .risk import DEFAULT_NUM_BUCKETS, default_buckets
+from ..planfile import BucketSpec, Plan
+from ..tracefile import Trace
+from ..vocabulary import STORE, compress
+from .memory import UnitCost, rule_violations
+from .mix import bucket_shares, zero_share
+from .planner import bucket_plan, mix_exposures, plan_units, prepare, skip_bucket
+from .risk import DEFAULT_NUM_BUCKETS, bucket_specs
+
+#: ``decide``: a function of a unit (at the planned shape) -> option, used in
+#: every bucket, or ``{bucket name: {unit key: option}}``.
+Decide = Callable[[UnitCost], str] | Mapping[str, Mapping[str, str]]
 
 
-def fixed_plan(trace: Trace | str | os.PathLike,
-               decide: Callable[[RecoveryUnit], str] | Mapping[str, Mapping[str, str]], *,
-               buckets: int = DEFAULT_NUM_BUCKETS, codecs=None, batch: int | None = None,
-               seq_len: int | None = None, label: str = "fixed") -> Plan:
-    """A plan with given decisions in every bucket.
+def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
+               buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS, codecs=None,
+               batch: int | None = None, seq_len: int | None = None,
+               exposure_mix: Sequence[float] | str | os.PathLike | None = None,
+               label: str = "fixed") -> Plan:
+    """A plan with given decisions; raises ValueError when a decision breaks the
+    rules (recompute from a compressed unit, an unusable codec, a non-recomputable unit).
 
-    ``decide``: a function unit -> option used for every bucket (e.g. int8
-    everywhere it is usable), or ``{bucket name: {unit key: option}}``.
-    Raises ValueError when a decision breaks the rules (recompute from a
-    compressed unit, an unusable codec, a non-recomputable unit).
+    The budget recorded is the largest bucket memory; the risk budget is the
+    plans' own summed risk (nothing was solved against one).
     """
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len)
-    units = {u.key: u for u in trace.units}
+    exposures = mix_exposures(exposure_mix)
+    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
     plans = []
-    for spec in default_buckets(buckets):
+    for share in shares:
         if callable(decide):
-            decisions = {key: decide(unit) for key, unit in units.items()}
+            decisions = {u.key: decide(u) for u in model.units}
         else:
-            decisions = dict(decide[spec.name])
+            decisions = dict(decide[share.spec.name])
         problems = rule_violations(model, decisions)
         if problems:
             raise ValueError(f"{label} plan breaks the rules: " + "; ".join(problems[:3]))
-        prediction = simulate(model, decisions)
-        plans.append(BucketPlan(
-            bucket=spec, skip=False, decisions=tuple((u.key, decisions[u.key]) for u in model.units),
-            memory_bytes=prediction.memory_bytes, kept_bytes=prediction.kept_bytes,
-            transient_bytes=prediction.transient_bytes, time_s=prediction.time_s,
-            risk=plan_risk(model, decisions, spec.exposure), proxy_sensitivity=False,
-            solver=None, notes=(f"{label}: decisions given, not solved",),
-        ))
+        plans.append(bucket_plan(model, share, decisions, solver=None,
+                                 notes=(f"{label}: decisions given, not solved",)))
     budget_bytes = max(p.memory_bytes for p in plans)
     return Plan(
         model=trace.model, fingerprint=trace.fingerprint, batch=model.batch, seq_len=model.seq_len,
         budget=f"{budget_bytes}", budget_bytes=budget_bytes, gc_bytes=model.gc_bytes,
-        store_bytes=model.store_bytes, risk_budget=float("inf"),
+        store_bytes=model.store_bytes, risk_budget=sum(p.risk for p in plans),
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
-        buckets=(_skip_bucket(), *plans), units=_plan_units(model), notes=(f"{label} plan",),
+        buckets=(skip_bucket(zero_share(exposures)), *plans), units=plan_units(model),
+        notes=(f"{label} plan",),
     )
 
 
-def uniform_codec(codec: str) -> Callable[[RecoveryUnit], str]:
-    """Exposure- and cost-blind compression: ``codec`` wherever usable, else store."""
-    def decide(unit: RecoveryUnit) -> str:
-        cost = unit.codecs.get(codec)
-        return f"compress:{codec}" if cost is not None and cost.usable else "store"
+def uniform_codec(codec: str | None) -> Callable[[UnitCost], str]:
+    """Exposure- and cost-blind: ``compress:<codec>`` wherever usable, else store
+    (``codec=None``: store everything)."""
+    def decide(unit: UnitCost) -> str:
+        option = None if codec is None else compress(codec)
+        return option if option in unit.options else STORE
     return decide
+
+
+def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | float, *,
+                        risk_budget: float | str | None = None,
+                        buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
+                        codecs=None, batch: int | None = None, seq_len: int | None = None,
+                        exposure_mix: Sequence[float] | str | os.PathLike | None = None) -> Plan:
+    """The control for exposure conditioning: the same memory and error budget,
+    solved as if one bucket held the whole update (mass share 1, the only safe
+    assumption without exposure), its decisions repeated in every bucket so
+    that it runs wherever the bucketed plan does."""
+    from .planner import solve
+
+    one = solve(trace, budget, risk_budget=risk_budget, buckets=[("b0", 0.0, float("inf"), 1.0)],
+                codecs=codecs, batch=batch, seq_len=seq_len, exposure_mix=exposure_mix)
+    decisions = one.decisions("b0")
+    names = [s.name for s in bucket_specs(buckets, mix_exposures(exposure_mix))]
+    plan = fixed_plan(trace, {n: decisions for n in names}, buckets=buckets, codecs=codecs, batch=batch,
+                      seq_len=seq_len, exposure_mix=exposure_mix, label="exposure-blind")
+    return dataclasses.replace(plan, budget=one.budget, budget_bytes=one.budget_bytes,
+                               risk_budget=one.risk_budget)

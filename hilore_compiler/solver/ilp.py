@@ -1,17 +1,25 @@
-"""The ILP of one exposure bucket (PuLP + CBC), in the paper's words.
+"""The ILP over every exposure bucket at once (PuLP + CBC), in the paper's words.
 
-Variables
-    x[u, o]  binary: recovery unit u takes option o (store, compress:<codec>,
-             recompute). Exactly one per unit.
-    T        continuous: the most bytes backward holds at once to recover
-             units (``memory.py``): the recomputed and decoded units of one
-             layer plus one unit's recompute workspace. Every term is linear
-             in x, so T >= each of them needs no auxiliary variables; the
-             per-layer sum is the conservative upper bound of "a unit plus its
-             recomputed inputs" (those lie in its layer by the chain rule).
+Variables, per nonzero bucket b
+    x[b, u, o]  binary: recovery unit u takes option o (store,
+                compress:<codec>, recompute) in bucket b. One per unit.
+    T[b]        continuous: the most bytes b's backward holds at once to
+                recover units (``memory.py``): the recomputed and decoded units
+                of one layer plus one unit's recompute workspace. Every term is
+                linear in x, so T >= each of them needs no auxiliary
+                variables; the per-layer sum is the conservative upper bound
+                of "a unit plus its recomputed inputs" (those lie in its
+                layer by the chain rule).
 
-Objective: minimise recovery time (recompute seconds + codec seconds); the
-second problem here minimises memory instead, to name the smallest feasible
+Objective: minimise the expected recovery time over a batch's exposure mix,
+sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
+
+Constraints: each bucket's rules and its memory under the ceiling (buckets run
+one after another), and one error budget shared by all buckets,
+sum_b m_b^2 sum_u s(u)^2 x[b,u,compress] (``risk.py``). Only the budget
+couples the buckets: it is what lets low-mass buckets spend error on fast,
+lossy options that high-mass buckets cannot afford. The second problem here
+minimises the largest bucket memory instead, to name the smallest feasible
 budget when the first is infeasible.
 
 Units inside the ILP: memory in thousandths of the store-all bytes and time in
@@ -28,13 +36,13 @@ import re
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pulp
 
-from ..planfile import COMPRESS_PREFIX, RECOMPUTE
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE
 from .memory import CostModel, group_of
 
 #: Memory and time enter the ILP in thousandths of a reference (see
@@ -71,11 +79,13 @@ class SolverOptions:
 class IlpResult:
     """The rounded answer of one ILP and how CBC got there."""
 
-    decisions: Mapping[str, str]
+    #: ``{bucket name: {unit key: option}}``.
+    decisions: Mapping[str, Mapping[str, str]]
     #: ``optimal`` or ``feasible`` (stopped by the time limit).
     status: str
     seconds: float
-    #: The objective of ``decisions``, in seconds (time ILP) or bytes (memory ILP).
+    #: The objective of ``decisions``: expected seconds (time ILP) or the
+    #: largest bucket's bytes (memory ILP).
     objective: float
     #: CBC's proven lower bound on the objective, same units; None if unknown.
     bound: float | None
@@ -127,20 +137,33 @@ def _variable(prob: pulp.LpProblem, name: str, cat: str = pulp.LpContinuous,
     return pulp.LpVariable(name, low, up, cat)
 
 
-class _Formulation:
-    """Variables and the constraints every bucket's problem shares."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketWeight:
+    """How one bucket enters the joint problem (``risk.BucketShare`` without the range)."""
 
-    def __init__(self, model: CostModel, name: str) -> None:
-        self.model = model
-        self.prob = pulp.LpProblem(name, pulp.LpMinimize)
+    name: str
+    #: Weight of its recovery time in the objective: its share of a batch's samples.
+    samples: float
+    #: Its share of the update's coefficient mass; risk scales with its square.
+    mass: float
+
+
+#: Smallest time weight of a bucket: one the mix leaves empty still gets a
+#: plan that is fast for the samples that do land in it, not an arbitrary one.
+MIN_TIME_WEIGHT = 1e-3
+
+
+class _Bucket:
+    """One bucket's variables and the rules every plan obeys, inside a shared problem."""
+
+    def __init__(self, problem: _Problem, tag: int) -> None:
+        self.problem, self.model, self.tag = problem, problem.model, tag
+        prob = problem.prob
         self.x = {
-            (u.key, o): _variable(self.prob, f"x_{i}_{j}", pulp.LpBinary)
-            for i, u in enumerate(model.units) for j, o in enumerate(u.options)
+            (u.key, o): _variable(prob, f"x_{tag}_{i}_{j}", pulp.LpBinary)
+            for i, u in enumerate(self.model.units) for j, o in enumerate(u.options)
         }
-        #: Bytes and seconds per ILP unit (see SCALE).
-        self.byte_unit = max(sum(u.bytes for u in model.units), 1) / SCALE
-        self.second_unit = max(sum(max(map(u.time_s, u.options)) for u in model.units), 1e-12) / SCALE
-        self.T = _variable(self.prob, "T_transient", low=0)
+        self.T = _variable(prob, f"T_transient_{tag}", low=0)
         self._one_option_per_unit()
         self._recompute_reads_only_exact_inputs()
         self._largest_transient()
@@ -153,7 +176,8 @@ class _Formulation:
     def _one_option_per_unit(self) -> None:
         # Every recovery unit is stored, compressed with one codec, or recomputed.
         for i, u in enumerate(self.model.units):
-            self.prob += pulp.lpSum(self.x[u.key, o] for o in u.options) == 1, f"one_option_{i}"
+            self.problem.prob += pulp.lpSum(self.x[u.key, o] for o in u.options) == 1, \
+                f"one_option_{self.tag}_{i}"
 
     def _recompute_reads_only_exact_inputs(self) -> None:
         # Recomputation is bitwise exact, so it never reads a compressed input:
@@ -168,48 +192,44 @@ class _Formulation:
                 if v.recomputable and group_of(v.layer) != group_of(u.layer):
                     not_exact += self.x[v.key, RECOMPUTE]
                 if len(not_exact) > 0:
-                    self.prob += self.x[u.key, RECOMPUTE] + not_exact <= 1, f"exact_inputs_{i}_{j}"
+                    self.problem.prob += self.x[u.key, RECOMPUTE] + not_exact <= 1, \
+                        f"exact_inputs_{self.tag}_{i}_{j}"
 
     def _largest_transient(self) -> None:
         # T covers what backward holds at once while recovering a unit w of
         # layer g: every recomputed or decoded unit of g (full bytes), plus
         # w's recompute workspace if w is recomputed.
+        byte_unit, prob = self.problem.byte_unit, self.problem.prob
         held: dict[str, list] = {}
         for u in self.model.units:
             rebuilt = self._compressed(u.key)
             if u.recomputable:
                 rebuilt += self.x[u.key, RECOMPUTE]
             if len(rebuilt) > 0:
-                held.setdefault(group_of(u.layer), []).append(u.bytes / self.byte_unit * rebuilt)
+                held.setdefault(group_of(u.layer), []).append(u.bytes / byte_unit * rebuilt)
         for g, terms in enumerate(held.values()):
-            self.prob += self.T >= pulp.lpSum(terms), f"transient_layer_{g}"
+            prob += self.T >= pulp.lpSum(terms), f"transient_layer_{self.tag}_{g}"
         for i, w in enumerate(self.model.units):
             if w.recomputable and w.recompute_transient > 0:
-                workspace = w.recompute_transient / self.byte_unit * self.x[w.key, RECOMPUTE]
-                self.prob += self.T >= pulp.lpSum(held[group_of(w.layer)]) + workspace, \
-                    f"transient_workspace_{i}"
+                workspace = w.recompute_transient / byte_unit * self.x[w.key, RECOMPUTE]
+                prob += self.T >= pulp.lpSum(held[group_of(w.layer)]) + workspace, \
+                    f"transient_workspace_{self.tag}_{i}"
 
     def memory(self) -> pulp.LpAffineExpression:
         """Kept bytes (stored + compressed) plus the largest transient, in byte units."""
-        kept = pulp.lpSum(
-            u.kept_bytes(o) / self.byte_unit * self.x[u.key, o] for u in self.model.units for o in u.options
-        )
+        kept = pulp.lpSum(u.kept_bytes(o) / self.problem.byte_unit * self.x[u.key, o]
+                          for u in self.model.units for o in u.options)
         return kept + self.T
 
     def time(self) -> pulp.LpAffineExpression:
         """Recovery time: recompute seconds plus encode + decode seconds, in second units."""
-        return pulp.lpSum(
-            u.time_s(o) / self.second_unit * self.x[u.key, o] for u in self.model.units for o in u.options
-        )
+        return pulp.lpSum(u.time_s(o) / self.problem.second_unit * self.x[u.key, o]
+                          for u in self.model.units for o in u.options)
 
-    def add_risk_bound(self, exposure: float, risk_budget: float) -> None:
-        # Update-conditioned risk: sum of sensitivity x exposure over compressed
-        # units stays within the bucket's risk budget.
-        risk = pulp.lpSum(
-            c.sensitivity * exposure * self.x[u.key, COMPRESS_PREFIX + name]
-            for u in self.model.units for name, c in u.codecs.items()
-        )
-        self.prob += risk <= risk_budget, "risk_budget"
+    def error2(self) -> pulp.LpAffineExpression:
+        """Sum of squared sensitivities of the compressed units (``risk.py``)."""
+        return pulp.lpSum(c.sensitivity**2 * self.x[u.key, COMPRESS_PREFIX + name]
+                          for u in self.model.units for name, c in u.codecs.items())
 
     def decisions(self) -> dict[str, str]:
         """The chosen option per unit, rounding binaries at CHOSEN."""
@@ -222,39 +242,79 @@ class _Formulation:
         return chosen
 
 
+class _Problem:
+    """One ILP over every bucket: per-bucket plans, one shared error budget."""
+
+    def __init__(self, model: CostModel, name: str, weights: Sequence[BucketWeight]) -> None:
+        self.model, self.weights = model, tuple(weights)
+        self.prob = pulp.LpProblem(name, pulp.LpMinimize)
+        #: Bytes and seconds per ILP unit (see SCALE).
+        self.byte_unit = max(sum(u.bytes for u in model.units), 1) / SCALE
+        self.second_unit = max(sum(max(map(u.time_s, u.options)) for u in model.units), 1e-12) / SCALE
+        self.buckets = {w.name: _Bucket(self, i) for i, w in enumerate(self.weights)}
+
+    def expected_time(self) -> pulp.LpAffineExpression:
+        """Recovery time over a batch's exposure mix: each bucket's time x its sample share."""
+        return pulp.lpSum(max(w.samples, MIN_TIME_WEIGHT) * self.buckets[w.name].time()
+                          for w in self.weights)
+
+    def every_bucket_fits(self, limit: pulp.LpAffineExpression | float) -> None:
+        # Memory: each bucket's kept bytes plus its largest transient fit the
+        # ceiling (buckets run one after another, never at once).
+        for w in self.weights:
+            self.prob += self.buckets[w.name].memory() <= limit, f"memory_budget_{w.name}"
+
+    def error_within_budget(self, risk_budget: float) -> None:
+        # The update's predicted squared relative gradient error, summed over
+        # buckets (quadrature, risk.py), stays within the one shared budget:
+        #   sum_b m_b^2 sum_u s(u)^2 x[b,u,compress] <= risk_budget.
+        self.prob += pulp.lpSum(w.mass**2 * self.buckets[w.name].error2() for w in self.weights) \
+            <= risk_budget, "risk_budget"
+
+    def decisions(self) -> dict[str, dict[str, str]]:
+        return {name: b.decisions() for name, b in self.buckets.items()}
+
+    def set_start(self, start: Mapping[str, Mapping[str, str]]) -> None:
+        for name, bucket in self.buckets.items():
+            for (key, option), var in bucket.x.items():
+                var.setInitialValue(1 if start[name][key] == option else 0)
+
+
 class _NoPlanInTime(RuntimeError):
     """CBC stopped at the time limit without any plan."""
 
 
-def _run_cbc(form: _Formulation, options: SolverOptions, scale: float,
-             start: Mapping[str, str] | None = None) -> IlpResult | None:
+def _run_cbc(problem: _Problem, options: SolverOptions, scale: float,
+             start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
     """Solve; None if infeasible. ``scale`` turns the ILP objective into report units.
 
-    ``start``: a feasible plan CBC begins from (a MIP start).
+    ``start``: a feasible plan per bucket CBC begins from (a MIP start). The
+    time limit is per bucket, so the joint problem of n buckets gets n times it.
     """
     if start is not None:
-        for (key, option), var in form.x.items():
-            var.setInitialValue(1 if start[key] == option else 0)
+        problem.set_start(start)
+    limit = options.time_limit_s * len(problem.weights)
     with tempfile.TemporaryDirectory(prefix="hilore-cbc-") as tmp:
         log = Path(tmp) / "cbc.log"
-        cbc = _cbc(msg=False, timeLimit=options.time_limit_s, gapRel=options.gap_rel,
+        cbc = _cbc(msg=False, timeLimit=limit, gapRel=options.gap_rel,
                    threads=options.threads, logPath=str(log), warmStart=start is not None)
         if cbc is None:
             check_cbc()  # raises, saying how to get CBC
         began = time.perf_counter()
-        form.prob.solve(cbc)
+        problem.prob.solve(cbc)
         seconds = time.perf_counter() - began
         text = log.read_text() if log.exists() else ""
-    if form.prob.status == pulp.LpStatusInfeasible:
+    prob = problem.prob
+    if prob.status == pulp.LpStatusInfeasible:
         return None
-    if form.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise _NoPlanInTime(f"CBC found no plan within {options.time_limit_s} s "
-                            f"(status {pulp.LpStatus[form.prob.status]}); raise the time limit")
-    optimal = form.prob.sol_status == pulp.LpSolutionOptimal
-    objective = (pulp.value(form.prob.objective) or 0.0) * scale
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        raise _NoPlanInTime(f"CBC found no plan within {limit} s "
+                            f"(status {pulp.LpStatus[prob.status]}); raise the time limit")
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    objective = (pulp.value(prob.objective) or 0.0) * scale
     found = None if optimal else _lower_bound(text)
     bound = objective if optimal else None if found is None else found * scale
-    return IlpResult(decisions=form.decisions(), status="optimal" if optimal else "feasible",
+    return IlpResult(decisions=problem.decisions(), status="optimal" if optimal else "feasible",
                      seconds=seconds, objective=objective, bound=bound)
 
 
@@ -267,45 +327,56 @@ def _lower_bound(log: str) -> float | None:
     return float(found[1]) if found else None
 
 
-def solve_min_time(model: CostModel, *, budget_bytes: int, exposure: float, risk_budget: float,
-                   options: SolverOptions, start: Mapping[str, str] | None = None) -> IlpResult | None:
-    """Fastest plan within ``budget_bytes`` and the risk budget; None if infeasible.
+def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
+                    decisions: Mapping[str, Mapping[str, str]]) -> float:
+    """The joint objective of ``decisions`` in seconds (what ``solve_min_time`` minimises)."""
+    return sum(max(w.samples, MIN_TIME_WEIGHT) * sum(model.unit(k).time_s(o) for k, o in decisions[w.name].items())
+               for w in weights)
 
-    ``start``: a plan known to satisfy every constraint here (a higher-exposure
-    bucket's, a smaller budget's, or the min-memory one). CBC starts cold all
-    the same, because its feasibility pump finds better plans than it does
-    from a MIP start; it runs from ``start`` only if it found nothing in time,
-    and ``start`` is returned if CBC stopped early with a slower plan.
+
+def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[BucketWeight],
+                   risk_budget: float, options: SolverOptions,
+                   start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
+    """Fastest plans over the exposure mix within ``budget_bytes`` and the shared
+    error budget; None if infeasible. ``decisions`` maps bucket -> unit -> option.
+
+    ``start``: plans known to satisfy every constraint here (the min-memory
+    ones, or a smaller budget's). CBC starts cold all the same, because its
+    feasibility pump finds better plans than it does from a MIP start; it runs
+    from ``start`` only if it found nothing in time, and ``start`` is returned
+    if CBC stopped early with a slower plan.
     """
-    form = _Formulation(model, "hilore_min_time")
-    form.prob += form.time()
-    # Memory: kept bytes plus the largest transient fit the budget.
-    form.prob += form.memory() <= budget_bytes / form.byte_unit, "memory_budget"
-    form.add_risk_bound(exposure, risk_budget)
+    problem = _Problem(model, "hilore_min_time", weights)
+    problem.prob += problem.expected_time()
+    problem.every_bucket_fits(budget_bytes / problem.byte_unit)
+    problem.error_within_budget(risk_budget)
     try:
-        result = _run_cbc(form, options, scale=form.second_unit)
+        result = _run_cbc(problem, options, scale=problem.second_unit)
     except _NoPlanInTime:
         if start is None:
             raise
-        result = _run_cbc(form, options, scale=form.second_unit, start=start)
+        result = _run_cbc(problem, options, scale=problem.second_unit, start=start)
     if result is not None and start is not None and result.status != "optimal":
-        # Stopped early: never return a plan slower than the known one.
-        start_s = sum(model.unit(key).time_s(option) for key, option in start.items())
+        # Stopped early: never return plans slower than the known ones.
+        start_s = expected_time_s(model, weights, start)
         if start_s < result.objective:
-            result = dataclasses.replace(result, decisions=dict(start), objective=start_s)
+            result = dataclasses.replace(result, decisions={k: dict(v) for k, v in start.items()},
+                                         objective=start_s)
     return result
 
 
-def solve_min_memory(model: CostModel, *, exposure: float, risk_budget: float,
+def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budget: float,
                      options: SolverOptions) -> IlpResult:
-    """The plan that needs the least memory under the same rules and risk budget.
+    """The plans whose largest bucket memory is least, under the same rules and error budget.
 
     Always feasible: storing every unit satisfies every constraint.
     """
-    form = _Formulation(model, "hilore_min_memory")
-    form.prob += form.memory()
-    form.add_risk_bound(exposure, risk_budget)
-    result = _run_cbc(form, options, scale=form.byte_unit)
+    problem = _Problem(model, "hilore_min_memory", weights)
+    ceiling = _variable(problem.prob, "M_ceiling", low=0)
+    problem.prob += ceiling
+    problem.every_bucket_fits(ceiling)
+    problem.error_within_budget(risk_budget)
+    result = _run_cbc(problem, options, scale=problem.byte_unit)
     if result is None:
         raise RuntimeError("CBC reports the min-memory problem infeasible, yet store-all satisfies it")
     return result

@@ -46,8 +46,8 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..planfile import COMPRESS_PREFIX, RECOMPUTE, STORE
 from ..tracefile import Trace, eval_size, parse_size
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, codec_of
 from .risk import sensitivity
 
 
@@ -125,6 +125,7 @@ def _size(expr: str, batch: int, seq_len: int) -> int:
 
 def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str]) -> CostModel:
     """Evaluate ``trace`` at (batch, seq_len), keeping only the allowed codecs."""
+    layers = len({u.layer for u in trace.units if u.layer is not None})
     units = []
     for u in trace.units:
         size = _size(u.bytes, batch, seq_len)
@@ -135,7 +136,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str])
             cost = u.codecs.get(name)
             if cost is None or not cost.usable:
                 continue
-            sens, proxy = sensitivity(u, name)
+            sens, proxy = sensitivity(u, name, layers)
             unit_codecs[name] = CodecAtShape(
                 bytes=_size(cost.bytes, batch, seq_len), time_s=cost.time_s * scale,
                 sensitivity=sens, proxy=proxy,
@@ -214,11 +215,12 @@ def rule_violations(model: CostModel, decisions: Mapping[str, str]) -> list[str]
     return problems
 
 
-def plan_risk(model: CostModel, decisions: Mapping[str, str], exposure: float) -> float:
-    """Sum over compressed units of sensitivity x exposure."""
+def plan_risk(model: CostModel, decisions: Mapping[str, str], mass_share: float) -> float:
+    """A bucket's share of the update's squared relative gradient error (``risk.py``):
+    mass_share^2 x the sum over compressed units of sensitivity^2."""
     total = 0.0
     for u in model.units:
-        option = decisions[u.key]
-        if option.startswith(COMPRESS_PREFIX):
-            total += u.codecs[option.removeprefix(COMPRESS_PREFIX)].sensitivity * exposure
-    return total
+        codec = codec_of(decisions[u.key])
+        if codec is not None:
+            total += u.codecs[codec].sensitivity ** 2
+    return mass_share**2 * total

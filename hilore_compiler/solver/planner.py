@@ -1,25 +1,39 @@
-"""solve(): a trace and a memory budget in, a checked per-bucket plan out.
+"""solve(): a trace, a memory budget and an error budget in, checked per-bucket plans out.
 
-One ILP per exposure bucket (``ilp.py``), solved from the highest exposure
-down: that bucket has the tightest risk budget, so if any bucket is
-infeasible it is the first one, and the smallest budget reported for it makes
-every bucket feasible. The solver's answer is not trusted: each plan is
-re-simulated with the same model (``memory.simulate``) and checked.
+One ILP over every exposure bucket (``ilp.py``): the buckets share one error
+budget for the whole update (``risk.py``), weighted by a batch's exposure mix
+(``mix.py``), so low-mass buckets take the fast, lossy options. The least-memory
+plans are solved first (they decide feasibility and name the smallest feasible
+budget). The solver's answer is not trusted: each bucket's plan is
+re-simulated with the same model (``memory.simulate``) and checked, and so is
+the summed risk.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..planfile import COMPRESS_PREFIX, STORE, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
+from ..planfile import BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
 from ..tracefile import Trace, load_trace
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import format_bytes, format_seconds, parse_budget
-from .ilp import SolverOptions, check_cbc, solve_min_memory, solve_min_time
+from .ilp import BucketWeight, SolverOptions, check_cbc, solve_min_memory, solve_min_time
 from .memory import CostModel, Prediction, cost_model, plan_risk, rule_violations, simulate
-from .risk import DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, PROXY_FACTOR, bucket_specs, zero_bucket
+from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, zero_share
+from .risk import (
+    DEFAULT_NUM_BUCKETS,
+    DEFAULT_RISK_BUDGET,
+    PROXY_FACTOR,
+    PROXY_LAYERS,
+    BucketShare,
+    bucket_specs,
+    error2_to_cosine,
+    parse_risk_budget,
+    zero_bucket,
+)
 
 DEFAULT_BUDGET = "1.10x-gc"
 #: Re-simulated memory (risk) may exceed the budget (risk budget) by this
@@ -70,9 +84,8 @@ def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | N
     return trace, model
 
 
-def verify(model: CostModel, decisions: dict[str, str], *, budget_bytes: int | None,
-           exposure: float, risk_budget: float) -> tuple[Prediction, float]:
-    """Re-simulate the solver's plan; raise if it breaks a rule, the budget or the risk."""
+def verify(model: CostModel, decisions: dict[str, str], *, budget_bytes: int | None) -> Prediction:
+    """Re-simulate one bucket's plan; raise if it breaks a rule or the memory budget."""
     problems = rule_violations(model, decisions)
     if problems:
         raise RuntimeError("solver plan breaks the model's rules, the ILP and the memory model "
@@ -83,10 +96,17 @@ def verify(model: CostModel, decisions: dict[str, str], *, budget_bytes: int | N
             f"solver plan needs {prediction.memory_bytes} bytes, over the budget {budget_bytes}: "
             "the ILP and the memory model disagree"
         )
-    risk = plan_risk(model, decisions, exposure)
-    if risk > risk_budget * (1 + TOLERANCE) + 1e-12:
-        raise RuntimeError(f"solver plan has risk {risk:.4g}, over the risk budget {risk_budget:.4g}")
-    return prediction, risk
+    return prediction
+
+
+def verify_risk(model: CostModel, plans: Mapping[str, Mapping[str, str]],
+                weights: Sequence[BucketWeight], risk_budget: float) -> dict[str, float]:
+    """Each bucket's re-computed risk; raise if their sum is over the shared budget."""
+    risks = {w.name: plan_risk(model, plans[w.name], w.mass) for w in weights}
+    if sum(risks.values()) > risk_budget * (1 + TOLERANCE) + 1e-15:
+        raise RuntimeError(f"solver plans have risk {sum(risks.values()):.4g}, over the risk budget "
+                           f"{risk_budget:.4g}")
+    return risks
 
 
 def _proxy_note(model: CostModel) -> tuple[bool, tuple[str, ...]]:
@@ -94,87 +114,97 @@ def _proxy_note(model: CostModel) -> tuple[bool, tuple[str, ...]]:
     if not any(pairs):
         return False, ()
     return True, (f"sensitivity of {sum(pairs)} of {len(pairs)} (unit, codec) pairs is the proxy "
-                  f"rel_l2 x {PROXY_FACTOR}; calibrate the trace to measure it",)
+                  f"rel_l2 x {PROXY_FACTOR} x sqrt({PROXY_LAYERS} / layers) (risk.py); calibrate "
+                  "the trace to measure it",)
 
 
-def _infeasible(model: CostModel, spec: BucketSpec, *, budget_text: str, budget_bytes: int,
-                risk_budget: float, need: int) -> InfeasibleBudgetError:
-    """The error for an infeasible bucket, naming ``need``, the smallest feasible budget."""
+def _infeasible(model: CostModel, *, budget_text: str, budget_bytes: int, risk_budget: float,
+                need: int, bucket: str) -> InfeasibleBudgetError:
+    """The error for an infeasible budget, naming ``need``, the smallest feasible one."""
     # Round the ratio up, so that passing it back as a budget is feasible.
     ratio = f", {math.ceil(need / model.gc_bytes * 1000) / 1000:.3f}x-gc" if model.gc_bytes > 0 else ""
     return InfeasibleBudgetError(
         f"memory budget {budget_text} ({format_bytes(budget_bytes)}) is infeasible for bucket "
-        f"{spec.name} (exposure {spec.exposure:g}, risk budget {risk_budget:g}) at batch "
-        f"{model.batch}, seq_len {model.seq_len}: the smallest feasible budget is "
-        f"{format_bytes(need)} ({need} bytes{ratio})",
-        bucket=spec.name, budget_bytes=budget_bytes, min_budget_bytes=need,
+        f"{bucket} (error budget {risk_budget:.3g}) at batch {model.batch}, seq_len "
+        f"{model.seq_len}: the smallest feasible budget is {format_bytes(need)} ({need} bytes{ratio})",
+        bucket=bucket, budget_bytes=budget_bytes, min_budget_bytes=need,
     )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LeastMemory:
-    """The least-memory plan under the rules and a bucket's risk budget."""
+    """The least-memory plans under the rules and the shared error budget."""
 
-    decisions: dict[str, str]
+    #: ``{bucket: {unit key: option}}``.
+    decisions: dict[str, dict[str, str]]
+    #: The largest bucket's re-simulated memory, and that bucket.
     memory_bytes: int
+    bucket: str
     #: False when CBC stopped before proving it least (then memory_bytes is an upper bound).
     proven: bool
     seconds: float
 
 
-def least_memory(model: CostModel, *, exposure: float, risk_budget: float,
+def least_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budget: float,
                  options: SolverOptions) -> LeastMemory:
-    """Solve the min-memory ILP and re-simulate its plan."""
-    least = solve_min_memory(model, exposure=exposure, risk_budget=risk_budget, options=options)
-    decisions = dict(least.decisions)
-    need = verify(model, decisions, budget_bytes=None, exposure=exposure,
-                  risk_budget=risk_budget)[0].memory_bytes
-    return LeastMemory(decisions=decisions, memory_bytes=need, proven=least.status == "optimal",
-                       seconds=least.seconds)
+    """Solve the min-memory ILP and re-simulate its plans."""
+    least = solve_min_memory(model, weights=weights, risk_budget=risk_budget, options=options)
+    decisions = {name: dict(d) for name, d in least.decisions.items()}
+    verify_risk(model, decisions, weights, risk_budget)
+    memory = {name: verify(model, d, budget_bytes=None).memory_bytes for name, d in decisions.items()}
+    worst = max(memory, key=memory.get)
+    return LeastMemory(decisions=decisions, memory_bytes=memory[worst], bucket=worst,
+                       proven=least.status == "optimal", seconds=least.seconds)
 
 
-def plan_bucket(model: CostModel, spec: BucketSpec, *, budget_text: str, budget_bytes: int,
-                risk_budget: float, options: SolverOptions,
-                start: dict[str, str] | None = None) -> BucketPlan:
-    """Solve, check and record one bucket's plan; InfeasibleBudgetError if none fits.
-
-    The least-memory plan is found first (a fraction of a second): it decides
-    feasibility and is the fallback start for the time ILP, with ``start``
-    (a plan of a higher-exposure bucket, feasible here too) preferred.
-    """
-    least = least_memory(model, exposure=spec.exposure, risk_budget=risk_budget, options=options)
+def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_text: str,
+                  budget_bytes: int, risk_budget: float, options: SolverOptions,
+                  ) -> tuple[dict[str, dict[str, str]], SolverStats]:
+    """The joint plans (``{bucket: {unit: option}}``), checked; InfeasibleBudgetError if none fit."""
+    least = least_memory(model, weights=weights, risk_budget=risk_budget, options=options)
     fits = least.memory_bytes <= budget_bytes
-    infeasible = dict(model=model, spec=spec, budget_text=budget_text, budget_bytes=budget_bytes,
-                      risk_budget=risk_budget, need=least.memory_bytes)
+    infeasible = dict(model=model, budget_text=budget_text, budget_bytes=budget_bytes,
+                      risk_budget=risk_budget, need=least.memory_bytes, bucket=least.bucket)
     if not fits and least.proven:
         raise _infeasible(**infeasible)
-    result = solve_min_time(model, budget_bytes=budget_bytes, exposure=spec.exposure,
-                            risk_budget=risk_budget, options=options,
-                            start=start if start is not None else least.decisions if fits else None)
+    result = solve_min_time(model, budget_bytes=budget_bytes, weights=weights, risk_budget=risk_budget,
+                            options=options, start=least.decisions if fits else None)
     if result is None:
         raise _infeasible(**infeasible)
-    decisions = dict(result.decisions)
-    prediction, risk = verify(model, decisions, budget_bytes=budget_bytes,
-                              exposure=spec.exposure, risk_budget=risk_budget)
-    proxy, notes = _proxy_note(model)
+    plans = {name: dict(d) for name, d in result.decisions.items()}
+    for d in plans.values():
+        verify(model, d, budget_bytes=budget_bytes)
+    verify_risk(model, plans, weights, risk_budget)
+    # One solve for all buckets: each bucket reports the joint problem's stats.
+    stats = SolverStats(status=result.status, seconds=least.seconds + result.seconds,
+                        objective=result.objective, gap=result.gap)
+    return plans, stats
+
+
+def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, str], *,
+                solver: SolverStats | None, notes: tuple[str, ...] = ()) -> BucketPlan:
+    """One bucket's record: decisions in trace order and their re-simulated predictions."""
+    prediction = simulate(model, decisions)
+    proxy, proxy_notes = _proxy_note(model)
     return BucketPlan(
-        bucket=spec, skip=False, decisions=tuple((u.key, decisions[u.key]) for u in model.units),
+        bucket=share.spec, skip=False, decisions=tuple((u.key, decisions[u.key]) for u in model.units),
         memory_bytes=prediction.memory_bytes, kept_bytes=prediction.kept_bytes,
-        transient_bytes=prediction.transient_bytes, time_s=prediction.time_s, risk=risk,
-        proxy_sensitivity=proxy, notes=notes,
-        # Seconds of both ILPs: what planning this bucket cost.
-        solver=SolverStats(status=result.status, seconds=least.seconds + result.seconds,
-                           objective=result.objective, gap=result.gap),
+        transient_bytes=prediction.transient_bytes, time_s=prediction.time_s,
+        risk=plan_risk(model, decisions, share.mass), proxy_sensitivity=proxy,
+        notes=(*notes, *proxy_notes), solver=solver, sample_share=share.samples, mass_share=share.mass,
     )
 
 
-def _skip_bucket() -> BucketPlan:
+def skip_bucket(samples: float | None = None) -> BucketPlan:
+    """The zero bucket's record: no backward, no decisions."""
     return BucketPlan(bucket=zero_bucket(), skip=True, decisions=(), memory_bytes=0, kept_bytes=0,
                       transient_bytes=0, time_s=0.0, risk=0.0, proxy_sensitivity=False, solver=None,
-                      notes=("exposure 0: the sample reaches no parameter, backward is skipped",))
+                      notes=("exposure 0: the sample reaches no parameter, backward is skipped",),
+                      sample_share=samples, mass_share=None if samples is None else 0.0)
 
 
-def _plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
+def plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
+    """Each unit's size and option costs at the planned shape, as the plan file repeats them."""
     return tuple(
         PlanUnit(key=u.key, layer=u.layer, kind=u.kind, bytes=u.bytes, options=tuple(
             OptionCost(option=o, bytes=u.kept_bytes(o), time_s=u.time_s(o)) for o in u.options))
@@ -187,54 +217,75 @@ def _summary(b: BucketPlan) -> str:
     for _, option in b.decisions:
         kind = "compress" if option.startswith(COMPRESS_PREFIX) else option
         counts[kind] = counts.get(kind, 0) + 1
-    mix = ", ".join(f"{counts.get(k, 0)} {k}" for k in (STORE, "compress", "recompute"))
-    return (f"bucket {b.bucket.name}: {b.solver.status} in {b.solver.seconds:.2f} s, "
+    mix = ", ".join(f"{counts.get(k, 0)} {k}" for k in (STORE, "compress", RECOMPUTE))
+    return (f"bucket {b.bucket.name} (samples {b.sample_share:.0%}, mass {b.mass_share:.0%}): "
             f"memory {format_bytes(b.memory_bytes)}, recovery {format_seconds(b.time_s)}, "
             f"risk {b.risk:.3g} ({mix})")
 
 
+def mix_exposures(exposure_mix: Sequence[float] | str | os.PathLike | None) -> tuple[float, ...]:
+    """The exposure mix to plan for: given, read from a file, or GRPO's default."""
+    if exposure_mix is None:
+        return default_exposure_mix()
+    if isinstance(exposure_mix, (str, os.PathLike)):
+        return load_exposure_mix(exposure_mix)
+    return tuple(float(x) for x in exposure_mix)
+
+
 def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_BUDGET,
-          risk_budget: float = DEFAULT_RISK_BUDGET,
+          risk_budget: float | str | None = DEFAULT_RISK_BUDGET,
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
-          seq_len: int | None = None, *, options: SolverOptions | None = None,
-          progress: Progress | None = None) -> Plan:
-    """Plan store / compress / recompute per recovery unit for every exposure bucket.
+          seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
+          options: SolverOptions | None = None, progress: Progress | None = None) -> Plan:
+    """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
     ``budget``: ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
     ``"0.5x-store"``; it bounds activation bytes only (see ``budget.py``).
-    ``buckets``: a count (default exposure levels, ``risk.default_buckets``) or
-    explicit ``BucketSpec(name, lo, hi, exposure)`` / 4-tuples. The ``zero``
-    bucket (plan ``skip``) is always added. ``codecs``: names the trace measured
-    (default: all). ``batch`` / ``seq_len``: plan for another shape than traced.
+    ``risk_budget``: the whole update's squared relative gradient error, or
+    ``"cos>=0.999"`` (the default; ``risk.py``). ``buckets``: a count (split
+    at the mix's quantiles, ``risk.default_buckets``) or explicit
+    ``BucketSpec(name, lo, hi, exposure)`` / 4-tuples. The ``zero`` bucket
+    (plan ``skip``) is always added. ``exposure_mix``: plan exposures of a
+    typical batch, or a ``hilore.exposure-mix/v1`` file (default: GRPO's, ``mix.py``).
+    ``codecs``: names the trace measured (default: all). ``batch`` /
+    ``seq_len``: plan for another shape than traced.
     """
     check_cbc()
     options = options or SolverOptions()
     say = progress or (lambda _msg: None)
-    if not (isinstance(risk_budget, (int, float)) and math.isfinite(risk_budget) and risk_budget >= 0):
-        raise ValueError(f"risk budget must be a finite number >= 0, got {risk_budget!r}")
+    error2 = parse_risk_budget(risk_budget)
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len)
     parsed = parse_budget(budget)
     budget_bytes = parsed.bytes_at(gc_bytes=model.gc_bytes, store_bytes=model.store_bytes)
-    specs = bucket_specs(buckets)
-    say(f"planning {trace.model}: {len(model.units)} units at batch {model.batch}, seq_len "
-        f"{model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}")
-    solved: dict[str, BucketPlan] = {}
-    start = None  # a higher-exposure bucket's plan satisfies a lower one's risk budget too
-    for spec in sorted(specs, key=lambda s: s.exposure, reverse=True):
-        solved[spec.name] = plan_bucket(model, spec, budget_text=parsed.text, budget_bytes=budget_bytes,
-                                        risk_budget=float(risk_budget), options=options, start=start)
-        start = dict(solved[spec.name].decisions)
-        say(_summary(solved[spec.name]))
-    notes = [*trace.notes]
+    exposures = mix_exposures(exposure_mix)
+    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
+    weights = [BucketWeight(name=s.spec.name, samples=s.samples, mass=s.mass) for s in shares]
+    say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
+        f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "
+        f"error budget {error2:.3g} (cos >= {error2_to_cosine(error2):.6g})")
+    plans, stats = solve_buckets(model, weights, budget_text=parsed.text, budget_bytes=budget_bytes,
+                                 risk_budget=error2, options=options)
+    solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]
+    for b in solved:
+        say(_summary(b))
+    total = sum(b.risk for b in solved)
+    say(f"{stats.status} in {stats.seconds:.2f} s; predicted error of the whole update "
+        f"{math.sqrt(total):.3g} (cos >= {error2_to_cosine(total):.6g})")
+    notes = [*trace.notes, f"risk: predicted squared relative gradient error of the whole update, "
+             f"budget {error2:.4g} = cos >= {error2_to_cosine(error2):.6g}; mix of {len(exposures)} samples"]
     if (model.batch, model.seq_len) != (trace.batch, trace.seq_len):
         notes.append(f"planned for batch {model.batch}, seq_len {model.seq_len}; traced at batch "
                      f"{trace.batch}, seq_len {trace.seq_len}: sizes re-evaluated, seconds scaled by bytes")
     return Plan(
         model=trace.model, fingerprint=trace.fingerprint, batch=model.batch, seq_len=model.seq_len,
         budget=parsed.text, budget_bytes=budget_bytes, gc_bytes=model.gc_bytes,
-        store_bytes=model.store_bytes, risk_budget=float(risk_budget),
+        store_bytes=model.store_bytes, risk_budget=error2,
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
-        buckets=(_skip_bucket(), *(solved[s.name] for s in sorted(specs, key=lambda s: s.lo))),
-        units=_plan_units(model), notes=tuple(notes),
+        buckets=(skip_bucket(zero_share(exposures)), *solved), units=plan_units(model), notes=tuple(notes),
     )
+
+
+def predicted_error(plan: Plan) -> float:
+    """The plan's predicted relative gradient error of the whole update: sqrt(sum of bucket risks)."""
+    return math.sqrt(sum(b.risk for b in plan.buckets if not b.skip))

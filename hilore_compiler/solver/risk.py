@@ -1,84 +1,161 @@
-"""Update-conditioned approximation risk: sensitivity x exposure, and the buckets.
+"""Risk: a plan's predicted contribution to the relative error of the whole update's gradient.
 
-risk(plan, bucket) = sum over compressed units u of sensitivity(u, codec) x E,
-where E is the bucket's representative exposure. Sensitivity is the relative
-gradient error per unit of exposure when only u is compressed; summing it over
-units is the triangle-inequality bound on the error of compressing them all,
-so the risk constraint is conservative.
+Sensitivity. ``s(u, codec)`` is the relative gradient error of an update all
+of whose coefficient mass goes through unit ``u`` compressed with ``codec``
+(every other unit exact): ``|g~ - g| / |g|`` on a calibration batch
+(``passes/calibration.py``). On-policy the gradient is ``sum_t c_t d logp_t``,
+linear in the coefficients, so scaling every c_t scales error and gradient
+alike: s is a property of (unit, codec), not of the advantages' size.
 
-Exposure scale (see grpo.py): a sample's exposure is sum_t |c_t| with the
-loss's length normalisation, so a sample with |advantage| = 1 and no clipping
-has exposure about 1. Group-normalised advantages satisfy |A| <= sqrt(G - 1),
-below 4 for groups of up to 16 samples: hence ``EXPOSURE_HIGH``.
+One bucket, one unit. The gradient is a sum over buckets, ``g = sum_b g_b``,
+and ``g_b`` is linear in bucket b's coefficients. A bucket holding the share
+``m_b`` of the update's coefficient mass (``sum |c_t|`` over its samples over
+that of the batch) adds an error of about ``s(u) x m_b x |g|``: linear in m_b,
+which is exact when the bucket's samples err in one direction and an upper
+bound when their errors partly cancel.
+
+Many units, many buckets. Quantisation errors of different tensors, and of one
+tensor on different samples, are independent and zero-mean, so their
+gradient errors are nearly orthogonal in a space of millions of parameters:
+squared norms add (quadrature), not norms (the triangle inequality, which
+overstates the error of n equal units by sqrt(n)). The whole update's
+predicted relative error is therefore
+
+    err^2 = sum_b m_b^2 x sum_{u compressed in b} s(u, codec_b(u))^2,
+
+and ``risk(b) = m_b^2 x sum_u s^2`` is linear in the plan's decisions, so one
+budget on ``err^2`` shared by every bucket is one linear ILP constraint.
+``tests/test_calibration.py`` checks the rule on a measured multi-unit plan.
+
+From a cosine target to a budget. For ``g~ = g + e`` with ``|e| = err |g|``
+and err < 1, the angle between g~ and g is at most ``arcsin(err)`` whatever
+e's direction, so ``cos(g~, g) >= sqrt(1 - err^2)``. Hence
+
+    cos >= c   is guaranteed by   err^2 <= 1 - c^2
+
+(``1 - 0.999^2 = 1.999e-3``, err <= 0.0447; the usual approximation
+``err <= sqrt(2 (1 - c))`` is the same to first order). Budgets are given as
+a number (the bound on err^2 itself) or as ``"cos>=0.9999"``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ..planfile import ZERO_BUCKET, BucketSpec
+from ..planfile import BucketSpec
 from ..tracefile import RecoveryUnit
+from ..vocabulary import ZERO_BUCKET, bucket_name
 
-#: Proxy sensitivity per unit of activation rel_l2 error, used when the trace
-#: has no calibrated sensitivity. One unit's activation error reaches mainly the
-#: weight gradients of its own layer, about 1/32 of a 32-layer decoder's
-#: gradient norm; 0.03 (a little above 1/32) also covers the error it passes
-#: on to earlier layers through the backward chain.
-PROXY_FACTOR = 0.03
+#: Target gradient cosine of the whole update against the exact one.
+DEFAULT_TARGET_COSINE = 0.999
+#: The default risk budget, as ``parse_risk_budget`` reads it.
+DEFAULT_RISK_BUDGET = f"cos>={DEFAULT_TARGET_COSINE}"
 
-#: Default risk budget (summed relative gradient error at the representative
-#: exposure). On a 32-layer decoder trace (581 units, 516 compressible) at
-#: EXPOSURE_HIGH, bf16 on every unit (rel_l2 ~1.1e-3) costs 0.07 with the
-#: proxy, about a third of the budget, while int8 on every unit (rel_l2
-#: 8e-3..1.2e-2) costs 0.53, two and a half times it: int8 is rejected
-#: wholesale where exposure is high and admitted where it is low (at exposure
-#: 1 all-int8 costs 0.13 and fits). fp8 (rel_l2 ~2.5e-2) fits everywhere only
-#: in the lowest bucket. Calibrated sensitivities in the trace replace the
-#: proxy; this number then bounds measured error. Additive risk means smaller
-#: models (fewer units) admit more compression under the same budget.
-DEFAULT_RISK_BUDGET = 0.2
+#: Proxy sensitivity per unit of activation rel_l2 error, for traces without
+#: calibration, at PROXY_LAYERS layers. Measured on the ``small`` policy
+#: (4 layers, sequence 2048; ``traces/small-cpu-T2048.json`` is calibrated):
+#: the median over (kind, codec) pairs of s / rel_l2 is about 0.04 (README,
+#: "Fidelity"). A unit's activation error reaches mainly the weight gradients
+#: of its own layer, which hold about 1/L of the gradient's squared norm, so
+#: s scales as sqrt(PROXY_LAYERS / L) for a model of L layers (``proxy``).
+PROXY_FACTOR = 0.04
+PROXY_LAYERS = 4
 
-#: Default exposure levels without GRPO data: representative exposures spaced
-#: geometrically from EXPOSURE_LOW to EXPOSURE_HIGH, because exposure is a
-#: magnitude whose spread over samples is multiplicative (advantage x ratio x
-#: length normalisation).
-EXPOSURE_LOW = 0.25
-EXPOSURE_HIGH = 4.0
+#: Buckets when none are given.
 DEFAULT_NUM_BUCKETS = 3
 
 
-def sensitivity(unit: RecoveryUnit, codec: str, proxy_factor: float = PROXY_FACTOR) -> tuple[float, bool]:
-    """(sensitivity of ``unit`` under ``codec``, whether it is the rel_l2 proxy)."""
+def cosine_to_error2(cosine: float) -> float:
+    """The budget on err^2 that guarantees ``cos >= cosine`` (module docstring)."""
+    if not 0.0 < cosine < 1.0:
+        raise ValueError(f"target cosine must be in (0, 1), got {cosine}")
+    return 1.0 - cosine * cosine
+
+
+def error2_to_cosine(error2: float) -> float:
+    """The cosine an err^2 guarantees: ``sqrt(1 - err^2)`` (0 when err >= 1)."""
+    return math.sqrt(max(0.0, 1.0 - error2))
+
+
+_COSINE = re.compile(r"^\s*cos\s*>=\s*(0?\.\d+|0|1(?:\.0*)?)\s*$", re.IGNORECASE)
+
+
+def parse_risk_budget(budget: float | int | str | None) -> float:
+    """The budget on the whole update's err^2: a number, or ``"cos>=c"``; None: the default."""
+    if budget is None:
+        budget = DEFAULT_RISK_BUDGET
+    if isinstance(budget, str):
+        match = _COSINE.match(budget)
+        if match:
+            return cosine_to_error2(float(match[1]))
+        try:
+            budget = float(budget)
+        except ValueError:
+            raise ValueError(f"risk budget {budget!r}: expected a number (the bound on the update's "
+                             "squared relative gradient error) or 'cos>=0.999'") from None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
+            math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"risk budget must be a finite number >= 0 or 'cos>=c', got {budget!r}")
+    return float(budget)
+
+
+def sensitivity(unit: RecoveryUnit, codec: str, layers: int = PROXY_LAYERS) -> tuple[float, bool]:
+    """(sensitivity of ``unit`` under ``codec``, whether it is the proxy) in a model of ``layers``."""
     if codec in unit.sensitivity:
         return float(unit.sensitivity[codec]), False
-    return float(unit.codecs[codec].rel_l2) * proxy_factor, True
+    return proxy(float(unit.codecs[codec].rel_l2), layers), True
 
 
-def default_buckets(n: int) -> tuple[BucketSpec, ...]:
-    """``n`` buckets ``b0..b{n-1}`` covering (0, inf), plus nothing for zero.
+def proxy(rel_l2: float, layers: int) -> float:
+    """The proxy sensitivity of a unit whose activation error is ``rel_l2`` (see PROXY_FACTOR)."""
+    return rel_l2 * PROXY_FACTOR * math.sqrt(PROXY_LAYERS / max(layers, 1))
 
-    Representative exposures are geometric from EXPOSURE_LOW to EXPOSURE_HIGH
-    (just EXPOSURE_HIGH when n == 1). Each bucket's range ends at its own
-    representative, so the risk bound is the worst case inside it; the last
-    bucket is unbounded and planned at EXPOSURE_HIGH, the largest exposure
-    normalised GRPO advantages reach.
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketShare:
+    """A bucket's weight in the joint problem: its share of a batch's samples and mass."""
+
+    spec: BucketSpec
+    #: Fraction of a batch's samples in this bucket: weighs its backward time.
+    samples: float
+    #: Fraction of the batch's coefficient mass: scales its gradient error.
+    mass: float
+
+
+def default_buckets(n: int, exposures: Sequence[float] | None = None) -> tuple[BucketSpec, ...]:
+    """``n`` buckets ``b0..b{n-1}`` covering (0, inf) (the zero bucket is added apart).
+
+    Edges are the 1/n, ..., (n-1)/n quantiles of the nonzero plan exposures of
+    ``exposures`` (default: ``mix.default_exposure_mix()``), so each bucket holds
+    about the same number of samples; each is planned at its upper edge (the
+    top bucket at the largest exposure seen).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"number of buckets must be a positive integer, got {n!r}")
-    if n == 1:
-        levels = [EXPOSURE_HIGH]
-    else:
-        ratio = (EXPOSURE_HIGH / EXPOSURE_LOW) ** (1 / (n - 1))
-        levels = [EXPOSURE_LOW * ratio**i for i in range(n)]
-    edges = [0.0, *levels[:-1], math.inf]
-    return tuple(BucketSpec(f"b{i}", edges[i], edges[i + 1], levels[i]) for i in range(n))
+    if exposures is None:
+        from .mix import default_exposure_mix
+
+        exposures = default_exposure_mix()
+    nonzero = sorted(x for x in exposures if x > 0)
+    if not nonzero:
+        raise ValueError("an exposure mix needs at least one nonzero exposure")
+    inner = [nonzero[min(len(nonzero) - 1, math.ceil(len(nonzero) * i / n) - 1)] for i in range(1, n)]
+    edges = [0.0, *inner, math.inf]
+    for i in range(1, len(edges)):  # repeated quantiles (discrete exposures): keep ranges non-empty
+        edges[i] = max(edges[i], math.nextafter(edges[i - 1], math.inf))
+    levels = [*inner, nonzero[-1]]
+    return tuple(BucketSpec(bucket_name(i), edges[i], edges[i + 1], max(levels[i], edges[i]))
+                 for i in range(n))
 
 
-def bucket_specs(buckets: int | Sequence[BucketSpec | tuple]) -> tuple[BucketSpec, ...]:
+def bucket_specs(buckets: int | Sequence[BucketSpec | tuple],
+                 exposures: Sequence[float] | None = None) -> tuple[BucketSpec, ...]:
     """Normalise ``buckets`` (a count or explicit specs) and check they make sense."""
     if isinstance(buckets, int) and not isinstance(buckets, bool):
-        return default_buckets(buckets)
+        return default_buckets(buckets, exposures)
     specs = []
     for b in buckets:
         fields = (b.name, b.lo, b.hi, b.exposure) if isinstance(b, BucketSpec) else b
@@ -104,7 +181,7 @@ def _check_specs(specs: list[BucketSpec]) -> None:
     ordered = sorted(specs, key=lambda s: s.lo)
     for a, b in zip(ordered, ordered[1:]):
         if b.lo < a.hi:
-            raise ValueError(f"buckets {a.name} and {b.name} overlap: [{a.lo}, {a.hi}) and [{b.lo}, {b.hi})")
+            raise ValueError(f"buckets {a.name} and {b.name} overlap: ({a.lo}, {a.hi}] and ({b.lo}, {b.hi}]")
 
 
 def zero_bucket() -> BucketSpec:

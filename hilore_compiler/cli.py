@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # Errors raised for bad input carry a message that names the fix;
-        # print it without a traceback.
-        print(f"hilore {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:
+        # Errors raised for bad input (FormatError, OutputPathError, ...) carry
+        # a message that names the fix; print it as one line, no traceback.
+        message = " ".join(str(e).split("\n")) or type(e).__name__
+        print(f"hilore {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

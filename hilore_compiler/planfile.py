@@ -13,6 +13,7 @@ infinite (``null`` in JSON).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -20,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from .jsonio import FormatError, read_json, require, write_json_atomic
+from .validate import plan_problems, raise_problems
 # The option words, the zero bucket's name and the interval rule live in
 # ``vocabulary``; re-exported here because plan readers import them from here.
 from .vocabulary import COMPRESS_PREFIX, RECOMPUTE, SKIP, STORE, ZERO_BUCKET, in_bucket, is_option  # noqa: F401
 
 PLAN_SCHEMA = "hilore.plan/v1"
+
+
 
 @dataclass(frozen=True, slots=True)
 class BucketSpec:
@@ -170,8 +174,15 @@ class Plan:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan atomically as ``hilore.plan/v1`` JSON."""
-        return write_json_atomic(path, self.to_json())
+        """Write the plan atomically as ``hilore.plan/v1`` JSON.
+
+        The payload is first read back as ``load_plan`` would read the file,
+        so a plan that ``hilore show`` or the backend would reject is never
+        written (FormatError instead).
+        """
+        payload = json.loads(json.dumps(self.to_json()))
+        plan_from_json(payload, where=f"plan for {path}")
+        return write_json_atomic(path, payload)
 
 
 def _bucket_json(b: BucketPlan) -> dict[str, Any]:
@@ -312,7 +323,12 @@ def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:
 
 
 def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
-    """Build a Plan from parsed JSON, naming the field that is wrong if any."""
+    """Build and validate a Plan from parsed JSON; a FormatError names the wrong field.
+
+    Past the JSON types, ``validate.plan_problems`` checks what the backend
+    relies on: finite non-negative numbers, at least one bucket with decisions.
+    """
+    payload = _as_object(payload, where)
     if payload.get("schema") != PLAN_SCHEMA:
         raise FormatError(f"{where}: schema is {payload.get('schema')!r}, expected {PLAN_SCHEMA!r}")
     units = [_unit_from_json(u, f"{where}.units[{i}]")
@@ -328,7 +344,7 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
     shape = require(payload, "shape", dict, where)
     budget = require(payload, "budget", dict, where)
     refs = require(payload, "references", dict, where)
-    return Plan(
+    plan = Plan(
         model=require(payload, "model", str, where),
         fingerprint=require(payload, "fingerprint", str, where),
         batch=require(shape, "batch", int, f"{where}.shape"),
@@ -344,6 +360,8 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
         units=tuple(units),
         notes=tuple(require(payload, "notes", list, where)),
     )
+    raise_problems(plan_problems(plan, where))
+    return plan
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -146,7 +146,8 @@ def _unit(obj: Any, where: str) -> RecoveryUnit:
     obj = as_object(obj, where)
     key = require(obj, "key", str, where)
     where = f"{where}[{key}]"
-    layer = optional(obj, "layer", (int, type(None)), where, None)
+    # Any JSON value: ``validate`` says what a layer must be (an index or null).
+    layer = obj.get("layer")
     codecs = require(obj, "codecs", dict, where)
     sensitivity = optional(obj, "sensitivity", dict, where, {})
     return RecoveryUnit(

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..planfile import Plan
+from ..validate import plan_problems, raise_problems
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +48,41 @@ class BackendOptions:
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise ValueError(f"unknown hilore backend option(s) {unknown}; known options: {known}")
+        for name, value in options.items():
+            accepts, expected = _EXPECTED.get(name, (lambda v: True, ""))
+            if not accepts(value):
+                raise ValueError(f"hilore backend option {name!r} must be {expected}, "
+                                 f"got {type(value).__name__} {value!r}")
+        if isinstance(options.get("plan"), Plan):
+            raise_problems(plan_problems(options["plan"], "options['plan']"))
         if "codecs" in options:
             options["codecs"] = tuple(options["codecs"])
+        if "cache_dir" in options:
+            options["cache_dir"] = os.fspath(options["cache_dir"])
         return cls(**options)
+
+
+def _path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+#: Per option: a test of the value given, and what it should have been, for the error.
+_EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "plan": (lambda v: v is None or isinstance(v, Plan) or _path(v), "a Plan, a path to a plan JSON, or None"),
+    "trace": (lambda v: v is None or _path(v), "a path to a trace JSON, or None"),
+    "memory_budget": (lambda v: isinstance(v, str) and v.strip() != "",
+                      'a string such as "1.10x-gc", "0.5x-store" or "6GiB"'),
+    "risk_budget": (lambda v: v is None or _number(v) or (isinstance(v, str) and v.strip() != ""),
+                    'a number >= 0, None (the calibrated default), or a string such as "cos>=0.999"'),
+    "codecs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(c, str) and c for c in v),
+               'a list of codec names such as ["bf16", "int8"] (a list, even for one codec)'),
+    "buckets": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                "a positive int (the number of non-zero exposure buckets)"),
+    "cache_dir": (_path, "a folder path (str or os.PathLike)"),
+    "verbose": (lambda v: isinstance(v, bool), "True or False"),
+    "strict": (lambda v: isinstance(v, bool), "True or False"),
+}

@@ -27,10 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..passes.calibration import CalibrationConfig, calibrate
     from ..models import build_model
+    from ..jsonio import check_output_path, save_or_fallback
     from ..tracefile import load_trace
     from ..passes.tracer import TraceConfig, trace
     from .trace import example_batch, grpo_trace_loss, trace_advantages
 
+    check_output_path(args.output, inputs=[args.trace] if args.trace else [])
     model = build_model(args.model, seed=args.seed)
     source = load_trace(args.trace) if args.trace else None
     batch, seq_len = (source.batch, source.seq_len) if source else (args.batch, args.seq_len)
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     codecs = tuple(args.codecs.split(",")) if args.codecs else None
     calibrated = calibrate(model, [ids], loss, source, exposure=exposure,
                            config=CalibrationConfig(codecs=codecs))
-    path = calibrated.save(args.output)
+    path = save_or_fallback(calibrated.save, args.output, "trace")
     print(f"wrote {path}: sensitivities for {sum(bool(u.sensitivity) for u in calibrated.units)} "
           f"of {len(calibrated.units)} units", file=sys.stderr)
     return 0

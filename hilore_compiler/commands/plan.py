@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 
+from ..jsonio import check_output_path, save_or_fallback
 from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
@@ -20,8 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="hilore.trace/v1 JSON file")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help=f"activation memory budget (default {DEFAULT_BUDGET}): {ACCEPTED_FORMS}")
-    p.add_argument("--risk", type=float, default=DEFAULT_RISK_BUDGET,
-                   help=f"risk budget: summed sensitivity x exposure per bucket (default {DEFAULT_RISK_BUDGET})")
+    p.add_argument("--risk", type=_risk_budget, default=DEFAULT_RISK_BUDGET,
+                   help=f"risk budget: a number, or a target such as cos>=0.999 (default {DEFAULT_RISK_BUDGET})")
     p.add_argument("--buckets", type=int, default=DEFAULT_NUM_BUCKETS,
                    help=f"number of exposure buckets besides 'zero' (default {DEFAULT_NUM_BUCKETS})")
     p.add_argument("--codecs", default=None,
@@ -32,6 +33,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds CBC may spend on each bucket's ILP")
     p.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     p.set_defaults(run=run)
+
+
+def _risk_budget(text: str) -> float | str:
+    """A number, or the solver's string form (``cos>=0.999``), which it parses itself."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def summary_lines(plan: Plan) -> list[str]:
@@ -56,12 +65,13 @@ def summary_lines(plan: Plan) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.output, inputs=[args.trace])
     plan = solve(
         args.trace, args.budget, risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs,
         batch=args.batch, seq_len=args.seq_len, options=SolverOptions(time_limit_s=args.time_limit),
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
-    path = plan.save(args.output)
+    path = save_or_fallback(plan.save, args.output, "plan")
     print("\n".join(summary_lines(plan)))
     print(f"wrote {path}")
     return 0

@@ -10,13 +10,12 @@ drawn to a PNG with ``--png`` when matplotlib is installed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..jsonio import FormatError
+from ..jsonio import FormatError, check_output_path, read_object
 from ..planfile import COMPRESS_PREFIX, PLAN_SCHEMA, RECOMPUTE, STORE, Plan, PlanUnit, plan_from_json
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
@@ -39,13 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def load_any(path: str | Path) -> Plan | Trace:
     """Read a plan or a trace, whichever the file's ``schema`` says."""
-    try:
-        payload = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read ({e.strerror})") from e
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
-    schema = payload.get("schema") if isinstance(payload, dict) else None
+    payload = read_object(path)
+    schema = payload.get("schema")
     if schema == PLAN_SCHEMA:
         return plan_from_json(payload, where=str(path))
     if schema == TRACE_SCHEMA:
@@ -197,6 +191,8 @@ def draw_curve(curve: ParetoCurve, trace: Trace, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.png:
+        check_output_path(args.png, inputs=[args.path])
     loaded = load_any(args.path)
     if isinstance(loaded, Plan):
         if args.png:

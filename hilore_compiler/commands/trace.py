@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..jsonio import check_output_path, save_or_fallback
 from ..passes.costmodel import DEVICES
 
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models import build_model
     from ..passes.tracer import TraceConfig, trace
 
+    check_output_path(args.output)  # before minutes of profiling, not after
     roofline = args.cost_model != "measured"
     device = "meta" if roofline else "cpu"
     dtype = torch.bfloat16 if roofline else None
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     config = TraceConfig(cost_model=args.cost_model, codecs=tuple(c for c in args.codecs.split(",") if c),
                          repeats=args.repeats, model_name=args.model, notes=notes)
     result = trace(model, [ids], grpo_trace_loss(ids, args.seed), config=config)
-    path = result.save(args.output)
+    path = save_or_fallback(result.save, args.output, "trace")
     print(f"wrote {path}: {len(result.units)} recovery units over {result.num_layers} layers, "
           f"fingerprint {result.fingerprint}", file=sys.stderr)
     return 0

@@ -1,0 +1,176 @@
+"""HiLoReGRPOTrainer against TRL's own GRPOTrainer, on a tiny random Qwen2 (no downloads).
+
+One module fixture trains TRL's trainer for one step (recording its
+generation batch) and the subclass for three steps (replaying that batch at
+step 1), so the one slow compile is shared by every test here.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from hilore_compiler.grpo import GRPOConfig, GRPOLossConfig  # noqa: E402
+from hilore_compiler.integrations.batching import order_by_bucket, pad_batch  # noqa: E402
+from hilore_compiler.integrations.toy import (  # noqa: E402
+    char_tokenizer,
+    digit_dataset,
+    largest_digit_reward,
+    tiny_qwen2,
+)
+from hilore_compiler.integrations.trl import HiLoReGRPOTrainer  # noqa: E402
+
+#: SGD with a large step: the update is then a fixed multiple of the gradient,
+#: so comparing parameters compares gradients (Adam's first step is about
+#: lr * sign(g), which would amplify rounding of near-zero gradients).
+LR = 1.0
+
+
+def _args(out: str, steps: int, **overrides) -> trl.GRPOConfig:
+    base = dict(
+        output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        disable_tqdm=True, seed=0, logging_steps=1, max_steps=steps,
+        per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2,
+        max_completion_length=8, loss_type="dapo", optim="sgd", learning_rate=LR,
+        lr_scheduler_type="constant",
+    )
+    base.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' gradient_checkpointing rename
+        return trl.GRPOConfig(**base)
+
+
+def _clone(batch: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in batch.items()}
+
+
+class _Snapshot(TrainerCallback):
+    """Parameters after step 1 and the number of compiled graphs after every step."""
+
+    def __init__(self, trainer_ref: list):
+        self.trainer_ref, self.params, self.graphs, self.frames = trainer_ref, None, [], []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        trainer = self.trainer_ref[0]
+        self.graphs.append(len(trainer.hilore_backend.graphs))
+        self.frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        if state.global_step == 1:
+            self.params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl")
+    tok = char_tokenizer()
+    start = tiny_qwen2(tok, layers=1, seed=0)  # one layer: the compile dominates this file's time
+    data = digit_dataset(64, seed=0)
+    ref = trl.GRPOTrainer(model=copy.deepcopy(start), reward_funcs=largest_digit_reward,
+                          args=_args(str(tmp / "ref"), 1, gradient_checkpointing=False),
+                          train_dataset=data, processing_class=tok)
+    recorded, generate = [], ref._generate_and_score_completions
+    ref._generate_and_score_completions = lambda b: recorded.append(_clone(out := generate(b))) or out
+    ref.train()
+
+    with pytest.warns(UserWarning, match="turns gradient checkpointing off"):
+        sub = HiLoReGRPOTrainer(
+            model=copy.deepcopy(start), reward_funcs=largest_digit_reward,
+            args=_args(str(tmp / "sub"), 3),  # TRL's default gradient_checkpointing=True
+            train_dataset=data, processing_class=tok,
+            hilore_options={"codecs": [], "buckets": 1, "cache_dir": str(tmp / "cache"),
+                            "verbose": False},
+        )
+    own = sub._generate_and_score_completions
+    replay = [_clone(recorded[0])]
+    sub._generate_and_score_completions = lambda b: replay.pop() if replay else own(b)
+    snap = _Snapshot([sub])
+    sub.add_callback(snap)
+    torch._dynamo.reset()
+    sub.train()
+    return dict(start=start, ref=ref, sub=sub, snap=snap, batch=recorded[0])
+
+
+def test_training_forward_goes_through_hilore(runs):
+    sub, snap = runs["sub"], runs["snap"]
+    assert snap.graphs[0] >= 1, "the training forward compiled no graph with the hilore backend"
+    assert not sub.model.is_activation_checkpointing
+
+
+def test_no_recompile_after_the_first_step(runs):
+    snap = runs["snap"]
+    assert len(snap.graphs) == 3
+    assert snap.graphs[1:] == [snap.graphs[0]] * 2, f"graphs per step: {snap.graphs}"
+    assert snap.frames[1:] == [snap.frames[0]] * 2, f"dynamo graphs per step: {snap.frames}"
+
+
+def test_one_step_matches_trl_with_exact_plans(runs):
+    """codecs=[]: the step's parameters and update equal TRL's own trainer on the same batch."""
+    start = dict(runs["start"].named_parameters())
+    ref = dict(runs["ref"].model.named_parameters())
+    sub = runs["snap"].params
+    flat = lambda d: torch.cat([d[n].detach().reshape(-1) for n in sorted(start)])  # noqa: E731
+    p0, p_ref, p_sub = flat(start), flat(ref), flat(sub)
+    update_ref, update_sub = p_ref - p0, p_sub - p0
+    assert update_ref.norm() > 1e-3, "TRL's step did not move the parameters: nothing compared"
+    assert ((p_sub - p_ref).norm() / p_ref.norm()).item() < 1e-5
+    assert ((update_sub - update_ref).norm() / update_ref.norm()).item() < 1e-4
+
+
+def test_zero_exposure_samples_are_grouped_and_skipped(runs):
+    sub, batch = runs["sub"], runs["batch"]
+    zero = int((batch["advantages"] == 0).sum())
+    assert sub.bucket_history[0]["zero"] == zero
+    size, chunks = sub.args.per_device_train_batch_size, sub.args.steps_per_generation
+    assert zero >= size, "the recorded batch has no all-zero microbatch: nothing to skip (reseed)"
+    # Zero-first order: every all-zero microbatch but the step's last is skipped.
+    expected = size * min(zero // size, chunks - 1)
+    logs = [h for h in sub.state.log_history if "hilore/skipped_samples" in h]
+    assert logs[0]["hilore/skipped_samples"] == expected
+
+
+def test_from_trl_maps_and_refuses():
+    cfg = GRPOLossConfig.from_trl(_args("/tmp/unused", 1, loss_type="dr_grpo", epsilon_high=0.28, delta=1.5))
+    assert (cfg.loss_type, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c, cfg.max_len) == (
+        "dr_grpo", 0.2, 0.28, 1.5, 8)
+    assert GRPOConfig is GRPOLossConfig
+    for bad in (dict(loss_type="cispo"), dict(top_entropy_quantile=0.2), dict(entropy_coef=0.01),
+                dict(importance_sampling_level="sequence"), dict(delta=1.1)):
+        with pytest.raises(ValueError, match="no closed-form"):
+            GRPOLossConfig.from_trl(_args("/tmp/unused", 1, **bad))
+
+
+def test_trainer_refuses_sapo_before_building_anything():
+    with pytest.raises(ValueError, match="loss_type='sapo'"):
+        HiLoReGRPOTrainer(model=None, reward_funcs=largest_digit_reward,
+                          args=_args("/tmp/unused", 1, loss_type="sapo"))
+
+
+def test_order_puts_zero_first_and_flags_all_zero_microbatches():
+    names = ["b1", "zero", "b0", "zero", "b1", "zero", "zero", "b0"]
+    x = torch.tensor([3.0, 0, 1, 0, 2, 0, 0, 0.5])
+    order = order_by_bucket(names, x, ("zero", "b0", "b1"), 4)
+    assert [names[i] for i in order.permutation.tolist()] == ["zero"] * 4 + ["b0", "b0", "b1", "b1"]
+    assert order.all_zero == (True, True, False, False)
+    assert order.buckets == ("zero", "zero", "b0", "b1")
+    assert order.permutation.tolist()[4:] == [7, 2, 4, 0]  # least exposed first inside a bucket
+    kept = order_by_bucket(names, x, ("zero", "b0", "b1"), 2, sort=False)
+    assert kept.permutation.tolist() == list(range(8)) and kept.buckets == ("b1", "b1")
+
+
+def test_pad_batch_rounds_lengths_with_masked_padding():
+    b = {"prompt_ids": torch.ones(2, 5, dtype=torch.long), "prompt_mask": torch.ones(2, 5, dtype=torch.long),
+         "completion_ids": torch.ones(2, 3, dtype=torch.long),
+         "completion_mask": torch.ones(2, 3, dtype=torch.long), "advantages": torch.ones(2),
+         "num_items_in_batch": torch.tensor(6)}
+    out = pad_batch(b, pad_token_id=0, multiple=4)
+    assert out["prompt_ids"].shape == (2, 8) and out["completion_ids"].shape == (2, 4)
+    assert out["prompt_mask"][:, :3].sum() == 0 and out["prompt_mask"][:, 3:].all()  # left
+    assert out["completion_mask"][:, 3:].sum() == 0 and out["completion_mask"][:, :3].all()  # right
+    assert out["advantages"] is b["advantages"]

@@ -30,13 +30,24 @@ def raise_problems(problems: list[str]) -> None:
         raise error
 
 
-def _number(value: Any, at: str, *, integer: bool = False, positive: bool = False) -> list[str]:
-    """A finite number >= 0 (> 0 if ``positive``); an int if ``integer``."""
+#: Largest seconds one unit's recompute or codec may cost: past this (11 days)
+#: it is not a measurement, and such coefficients only upset CBC.
+MAX_SECONDS = 1e6
+#: Largest relative error (rel_l2) or sensitivity: a codec whose error is 1000x
+#: the signal is noise; squared sensitivities enter the ILP, so bound them.
+MAX_RELATIVE = 1e3
+
+
+def _number(value: Any, at: str, *, integer: bool = False, positive: bool = False,
+            most: float | None = None) -> list[str]:
+    """A finite number >= 0 (> 0 if ``positive``, <= ``most`` if given); an int if ``integer``."""
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         return [f"{at}: expected {kind}, found {type(value).__name__} {value!r}"]
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         return [f"{at}: expected {kind} {'> 0' if positive else '>= 0'}, found {value!r}"]
+    if most is not None and value > most:
+        return [f"{at}: {value!r} is past {most:g}, the largest plausible value"]
     return []
 
 
@@ -74,7 +85,7 @@ def _trace_unit(u: Any, at: str, batch: int, seq_len: int, keys: set[str]) -> li
         problems.append(f"{at}.bytes_at_trace: {u.bytes_at_trace} but bytes {u.bytes!r} is {value} "
                         f"at the traced shape")
     problems += _size(u.recompute_transient, f"{at}.recompute_transient", batch, seq_len)[0]
-    problems += _number(u.recompute_time_s, f"{at}.recompute_time_s")
+    problems += _number(u.recompute_time_s, f"{at}.recompute_time_s", most=MAX_SECONDS)
     problems += _number(u.recompute_flops, f"{at}.recompute_flops", integer=True)
     problems += _strings(u.recompute_from, f"{at}.recompute_from")
     unknown = sorted(k for k in u.recompute_from if isinstance(k, str) and k not in keys)
@@ -85,10 +96,11 @@ def _trace_unit(u: Any, at: str, batch: int, seq_len: int, keys: set[str]) -> li
     for name, c in u.codecs.items():
         problems += [] if name else [f"{at}.codecs: empty codec name"]
         problems += _size(c.bytes, f"{at}.codecs.{name}.bytes", batch, seq_len)[0]
-        for field in ("time_s", "rel_l2", "max_abs"):
-            problems += _number(getattr(c, field), f"{at}.codecs.{name}.{field}")
+        problems += _number(c.time_s, f"{at}.codecs.{name}.time_s", most=MAX_SECONDS)
+        problems += _number(c.rel_l2, f"{at}.codecs.{name}.rel_l2", most=MAX_RELATIVE)
+        problems += _number(c.max_abs, f"{at}.codecs.{name}.max_abs")
     for name, value in u.sensitivity.items():
-        problems += _number(value, f"{at}.sensitivity.{name}")
+        problems += _number(value, f"{at}.sensitivity.{name}", most=MAX_RELATIVE)
     return problems
 
 

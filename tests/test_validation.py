@@ -72,6 +72,8 @@ def _duplicate_key(t):
     (_codec("time_s", math.inf), r"\.codecs\.int8\.time_s: expected a number >= 0, found inf"),
     (_codec("bytes", "-5*S"), r"\.codecs\.int8\.bytes: size -5\*S is -\d+ bytes"),
     (_unit("sensitivity", {"int8": math.nan}), r"\.sensitivity\.int8: expected a number >= 0, found nan"),
+    (_unit("sensitivity", {"int8": 1e308}), r"\.sensitivity\.int8: 1e\+308 is past 1000"),
+    (_codec("time_s", 1e7), r"\.codecs\.int8\.time_s: 10000000.0 is past 1e\+06"),
     (_unit("bytes", "-4*B*S"), r"\.bytes: size -4\*B\*S is -\d+ bytes"),
     (_unit("layer", "zero"), r"\.layer: expected a layer index >= 0 or null .*found 'zero'"),
     (_unit("layer", -1), r"\.layer: expected a layer index >= 0"),

@@ -8,6 +8,8 @@ pipeline order:
 - ``passes/annotate`` saved activations -> recovery units with stable keys.
 - ``passes/profile`` each unit's cost to store, compress or recompute.
 - ``tracer``         the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
+- ``sizeexpr``       sizes of B and S: a whitelisted grammar, parsed with ast, never eval'd.
+- ``validate``       one pass over a loaded trace or plan before anything plans with it.
 - ``calibration``    measured gradient sensitivity per (unit kind, codec).
 - ``solver/``        one ILP per exposure bucket (PuLP + CBC) -> ``Plan`` (``planfile``).
 - ``planning``       where the backend's plan comes from (given, cached, solved now).

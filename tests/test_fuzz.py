@@ -143,19 +143,27 @@ def _one_line(error: BaseException) -> None:
     assert message and "\n" not in message, repr(message)
 
 
-def _trace_case(payload: dict, folder: Path, capsys) -> None:
-    source, output = folder / "trace.json", folder / "plan.json"
-    source.write_text(json.dumps(payload))
+def _loaded(load, source: Path, capsys, *show_options: str):
+    """``load(source)`` and ``hilore show`` of it; None after checking both fail in one line."""
     try:
-        trace = load_trace(source)
+        loaded = load(source)
     except FormatError as e:
         _one_line(e)
         assert cli.main(["show", str(source)]) == 2
         assert capsys.readouterr().err.count("\n") == 1
-        return
-    # A trace that loads is shown (a two-point Pareto curve: quick) and planned.
-    assert cli.main(["show", str(source), "--points", "2", "--time-limit", "0.5"]) == 0
+        return None
+    assert cli.main(["show", str(source), *show_options]) == 0
     capsys.readouterr()
+    return loaded
+
+
+def _trace_case(payload: dict, folder: Path, capsys) -> None:
+    source, output = folder / "trace.json", folder / "plan.json"
+    source.write_text(json.dumps(payload))
+    # A trace's show draws a Pareto curve: two points keep it quick.
+    trace = _loaded(load_trace, source, capsys, "--points", "2", "--time-limit", "0.5")
+    if trace is None:
+        return
     try:
         plan = solve(trace, "1.0x-store", buckets=1, options=SOLVER)
         plan.save(output)
@@ -170,15 +178,9 @@ def _trace_case(payload: dict, folder: Path, capsys) -> None:
 def _plan_case(payload: dict, folder: Path, capsys) -> None:
     source, again = folder / "plan.json", folder / "again.json"
     source.write_text(json.dumps(payload))
-    try:
-        plan = load_plan(source)
-    except FormatError as e:
-        _one_line(e)
-        assert cli.main(["show", str(source)]) == 2
-        assert capsys.readouterr().err.count("\n") == 1
+    plan = _loaded(load_plan, source, capsys)
+    if plan is None:
         return
-    assert cli.main(["show", str(source)]) == 0
-    capsys.readouterr()
     plan.bucket_for(1.0)  # the backend's default-bucket choice: needs a bucket with decisions
     assert load_plan(plan.save(again)) == plan
 

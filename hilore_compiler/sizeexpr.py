@@ -12,7 +12,11 @@ a whitelist instead of with ``sympy.sympify`` (which evaluates Python):
            | min(expr, expr, ...) | max(expr, expr, ...)
 
 The functions map to sympy's ``ceiling``, ``floor``, ``Mod``, ``Min`` and
-``Max``, so an expression evaluates exactly at integer ``B`` and ``S``. The
+``Max``, so an expression evaluates exactly at integer ``B`` and ``S``. Torch's
+own spellings that ``str()`` wrote into older traces (``FloorDiv``,
+``CeilDiv``, ``CleanDiv``, ``Mod``, ``PythonMod``, ``Max``, ``Min``,
+``ModularIndexing(a, b, c)``, ``CeilToInt(IntTrueDiv(a, b))``,
+``FloorToInt(IntTrueDiv(a, b))``) are read as these functions. The
 power form exists because attention scores are ``(B, H, S, S)``: traces
 written before this grammar say ``S**2``. :func:`format_size` writes any
 expression the tracer makes in this grammar, including torch's own sympy
@@ -109,8 +113,34 @@ def _build(node: ast.AST) -> sympy.Expr:
     raise _Reject(f"{ast.unparse(node)!r} is not allowed")
 
 
+#: Torch's spellings, as ``str()`` wrote them into traces made before this
+#: grammar (CUDA traces): read as the grammar's functions, nothing more.
+_TORCH_NAMES = {"FloorDiv": "floordiv", "CleanDiv": "floordiv", "CeilDiv": "ceildiv",
+                "Mod": "mod", "PythonMod": "mod", "Max": "max", "Min": "min"}
+_TORCH_ROUNDINGS = {"CeilToInt": "ceildiv", "FloorToInt": "floordiv"}
+
+
+def _torch_call(node: ast.Call, name: str) -> sympy.Expr:
+    """``ModularIndexing(a, b, c)`` and ``CeilToInt/FloorToInt(IntTrueDiv(a, b))``."""
+    if name == "ModularIndexing":
+        if len(node.args) != 3:
+            raise _Reject(f"ModularIndexing() takes 3 arguments, got {len(node.args)}")
+        base, divisor, modulus = (_build(a) for a in node.args)
+        _divisor(node.args[1], divisor)
+        _divisor(node.args[2], modulus)
+        return sympy.Mod(sympy.floor(base / divisor), modulus)
+    inner = node.args[0] if len(node.args) == 1 else None
+    if not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name)
+            and inner.func.id == "IntTrueDiv" and not inner.keywords):
+        raise _Reject(f"{name}() is read only around a division, as {name}(IntTrueDiv(a, b))")
+    return _call(ast.Call(func=ast.Name(id=_TORCH_ROUNDINGS[name]), args=inner.args, keywords=[]))
+
+
 def _call(node: ast.Call) -> sympy.Expr:
     name = node.func.id if isinstance(node.func, ast.Name) else None
+    if (name in _TORCH_ROUNDINGS or name == "ModularIndexing") and not node.keywords:
+        return _torch_call(node, name)
+    name = _TORCH_NAMES.get(name, name)
     if name not in _FUNCTIONS or node.keywords:
         raise _Reject(f"{ast.unparse(node.func)!r} is not a size function")
     make, arity = _FUNCTIONS[name]

@@ -135,3 +135,17 @@ def test_checked_in_traces_load_and_round_trip(name):
     trace = load_trace(f"traces/{name}")
     for u in trace.units:
         assert eval_size(format_size(parse_size(u.bytes)), trace.batch, trace.seq_len) == u.bytes_at_trace
+
+
+def test_torch_spellings_of_older_traces_are_read_as_the_grammar():
+    fns = pytest.importorskip("torch.utils._sympy.functions")
+    cases = [512 * B * fns.CeilToInt(fns.IntTrueDiv(S, 32)), fns.FloorDiv(S, 2) * B + 3, fns.CeilDiv(S, 3),
+             fns.ModularIndexing(S, 2, 7), fns.PythonMod(S, 5) + fns.Mod(B, 2), fns.Max(S, 4 * B),
+             fns.Min(S, 3), fns.FloorToInt(fns.IntTrueDiv(S, 3))]
+    for expr in cases:  # str() is what the tracer wrote before format_size
+        expected = [int(expr.xreplace({B: b, S: s})) for b, s in SHAPES]
+        assert [eval_size(str(expr), b, s) for b, s in SHAPES] == expected, str(expr)
+    for text, why in [("CeilToInt(S)", "only around a division"), ("IntTrueDiv(S, 2)", "not a size function"),
+                      ("ModularIndexing(S, 0, 3)", "division by zero"), ("ModularIndexing(S, 2)", "3 arguments")]:
+        with pytest.raises(FormatError, match=why):
+            parse_size(text)

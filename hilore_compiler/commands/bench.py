@@ -48,6 +48,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "(default: fresh per run; clear it after changing hilore, whose "
                                        "cached plans are keyed by graph and options, not by its code)")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json)")
+    p.add_argument("--nproc", type=int,
+                   help="FSDP2 across this many processes (gloo on CPU, nccl on GPUs): GC, store-all "
+                        "and HiLoRe compiled per block; --batch is then per rank "
+                        "(see hilore_compiler/bench/distributed.py)")
     p.set_defaults(run=run)
 
 
@@ -73,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.report import format_table, format_targets, save_json, save_png, summarise
     from ..bench.runner import run_bench
 
+    if args.nproc:
+        from ..bench.distributed import run_command
+
+        return run_command(args)
     config = config_from_args(args)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")
     result = run_bench(config, _progress)

@@ -5,7 +5,7 @@ Modules, in the order a distributed run meets them:
 - ``launch``    ``spawn``: several processes, one process group (tests, bench).
 - ``blocks``    ``compile_blocks``: each decoder block compiled on its own with
                 the hilore backend (budget stated per block), ``shard_blocks``.
-- ``plan_sync`` one plan on every rank: rank 0 solves, broadcasts, digests checked.
+- ``plan_sync`` one whole-step plan on every rank: rank 0 solves, broadcasts, digests checked.
 - ``ranks``     what the ranks of ``grpo.actor_update`` agree on: normalisers,
                 buckets, microbatch slots (zero-contribution padding).
 
@@ -21,7 +21,7 @@ _EXPORTS = {
     "spawn": "launch", "RankFailed": "launch",
     "compile_blocks": "blocks", "shard_blocks": "blocks", "decoder_blocks": "blocks",
     "block_budget": "blocks",
-    "shared_block_plan": "plan_sync", "solve_block_plan": "plan_sync",
+    "shared_step_plan": "plan_sync", "solve_step_plan": "plan_sync", "layer_plan": "blocks",
     "broadcast_plan": "plan_sync", "check_same_plan": "plan_sync",
     "PAD": "ranks", "agree_slots": "ranks",
 }

@@ -6,32 +6,33 @@ The usual recipe (torchtitan, verl) compiles each block on its own instead;
 ``compile_blocks`` does that, before ``fully_shard`` wraps the blocks, so the
 collectives run eagerly between compiled blocks and never inside them.
 
-Budget: stated per block. Every block's graph is planned against its own
-references (what GC and store-all keep for that block), with the options'
-budget applied to it. Why, rather than sharing one whole-model budget out:
+Budget: the whole step's, shared out across blocks by the solver. A budget
+relative to GC means nothing for one block alone: GC keeps a layer's input
+and pays one layer's recompute transient once per step, so one block's GC
+reference (its input plus its whole recompute transient) is above its
+store-all bytes, and ``1.10x-gc`` of it would store everything. So the plan
+is made for the whole step (``plan_sync.solve_step_plan``: the unsharded model
+traced at the microbatch shape and solved at ``1.10x-gc`` of the whole step,
+one decision per unit of every layer), and block i applies layer i's
+decisions (``layer_plan``). Blocks whose decisions agree share one backend
+object, hence one dynamo graph and one set of bucket variants.
 
-- the blocks are identical, so dynamo makes one graph for all of them (one
-  backend object is shared, parameters are graph inputs): one plan and one
-  set of bucket variants serve every block, and there is nothing to split;
-- a relative budget is additive: the sum over blocks of ``1.10 x GC(block)``
-  is ``1.10 x`` the sum of the blocks' GC bytes, i.e. the whole-model
-  ``1.10x-gc`` budget less the embedding, final norm and LM head, which run
-  eagerly outside the blocks and keep the same bytes under every method;
-- under FSDP2 the blocks run one after another, so a per-block bound is the
-  one peak memory feels.
-
-An absolute budget (``"6GiB"``) is meant for the whole model: it is divided
-evenly over the blocks (``block_budget``).
+Without a step plan every block graph plans for itself (zero config) and the
+budget then refers to that block graph alone; an absolute budget is first
+divided evenly over the blocks (``block_budget``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..planfile import Plan
 from ..solver.budget import parse_budget
 
 #: The backend's own default budget (``BackendOptions.memory_budget``).
@@ -62,33 +63,76 @@ def block_options(options: Mapping[str, Any] | None, n_blocks: int) -> dict[str,
     return out
 
 
+def layer_plan(plan: Plan, layer: int) -> Plan:
+    """Layer ``layer``'s part of a whole-step plan, keyed as its block's own graph keys them.
+
+    Whole-model keys read ``layers.<i>.self_attn.q_proj:view:0`` (and
+    ``layers.<i>:add:0`` for the block's own ops); a block compiled on its own
+    names the same unit ``self_attn.q_proj:view:0`` (``:add:0``).
+    """
+    prefix = f"layers.{layer}"
+
+    def local(key: str) -> str | None:
+        if not key.startswith(prefix) or key[len(prefix):len(prefix) + 1] not in (".", ":"):
+            return None
+        return key[len(prefix) + (key[len(prefix)] == "."):]
+
+    units = tuple(dataclasses.replace(u, key=local(u.key), layer=0) for u in plan.units if local(u.key))
+    buckets = tuple(dataclasses.replace(b, decisions=tuple((local(k), o) for k, o in b.decisions if local(k)))
+                    for b in plan.buckets)
+    return dataclasses.replace(plan, units=units, buckets=buckets,
+                               notes=(*plan.notes, f"layer {layer} of a whole-step plan"))
+
+
+def _block_compilers(plan: Plan | None, options: dict[str, Any], n_blocks: int) -> list[Any]:
+    """One hilore backend per block; blocks with identical decisions share one."""
+    from ..backend import HiLoReBackend
+
+    if plan is None:  # zero config: one backend, every block graph plans for itself
+        return [HiLoReBackend(block_options(options, n_blocks))] * n_blocks
+    shared: dict[str, Any] = {}
+    out = []
+    for i in range(n_blocks):
+        mine = layer_plan(plan, i)
+        key = json.dumps([b.decisions for b in mine.buckets])
+        if key not in shared:
+            shared[key] = HiLoReBackend({**options, "plan": mine})
+        out.append(shared[key])
+    return out
+
+
 def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *,
-                   backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True) -> Any:
-    """Compile every decoder block of ``model`` on its own, in place; returns the backend used.
+                   backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True) -> list[Any]:
+    """Compile every decoder block of ``model`` on its own, in place; returns each block's backend.
 
     Each ``model.layers[i]`` is replaced by ``torch.compile(block, ...)``, as
     torchtitan's ``apply_compile`` does; call it before ``fully_shard`` so
     FSDP2's hooks wrap the compiled blocks (parameter names gain an
     ``_orig_mod.`` part, as they do in torchtitan). With ``backend="hilore"``
-    one ``HiLoReBackend`` made from ``block_options(options)`` is shared by
-    all blocks (inspect its ``.graphs``: the plan, variants, partitions);
-    another backend name is passed to ``torch.compile`` with ``options``.
-    Under ``runtime.exposure(bucket)`` every block runs that bucket's variant.
+    and a whole-step plan in ``options["plan"]`` (``plan_sync``), block i runs
+    layer i's decisions; without one, each block graph plans for itself (see
+    the module docstring). The returned backends keep what they compiled
+    (``.graphs``). Another backend name is passed to ``torch.compile`` with
+    ``options``. Under ``runtime.exposure(bucket)`` every block runs that
+    bucket's variant.
     """
     blocks = decoder_blocks(model)
+    options = dict(options or {})
     if backend == "hilore":
-        from ..backend import HiLoReBackend
+        plan = options.pop("plan", None)
+        if plan is not None and not isinstance(plan, Plan):
+            from ..planfile import load_plan
 
-        compiler: Any = HiLoReBackend(block_options(options, len(blocks)))
-        kwargs: dict[str, Any] = {}
+            plan = load_plan(plan)
+        compilers, kwargs = _block_compilers(plan, options, len(blocks)), {}
     else:
-        compiler, kwargs = backend, ({"options": dict(options)} if options else {})
+        compilers, kwargs = [backend] * len(blocks), ({"options": options} if options else {})
     for i, block in enumerate(blocks):
-        # One compiler object for every block: dynamo's cache entry for the
-        # shared forward code then matches, and identical blocks reuse one graph.
-        blocks[i] = torch.compile(block, backend=compiler, dynamic=dynamic, fullgraph=fullgraph,
+        # Blocks sharing a compiler object share dynamo's cache entry for their
+        # common forward code: identical blocks reuse one graph.
+        blocks[i] = torch.compile(block, backend=compilers[i], dynamic=dynamic, fullgraph=fullgraph,
                                   **kwargs)
-    return compiler
+    return compilers
 
 
 def shard_blocks(model: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> nn.Module:

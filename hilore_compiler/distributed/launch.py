@@ -78,8 +78,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None = 
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, nproc, port, backend, threads, dict(env or {}),
                                               fn, args, results), daemon=True) for r in range(nproc)]
-    for p in procs:
-        p.start()
+    _start(procs, env or {})
     try:
         return _collect(procs, results, nproc, time.monotonic() + timeout_s)
     finally:
@@ -87,6 +86,26 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None = 
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+def _start(procs: list, env: Mapping[str, str]) -> None:
+    """Start the children with ``env`` in their environment from exec on.
+
+    Set in this process around ``start`` because some variables (glibc's
+    ``MALLOC_MMAP_THRESHOLD_``, which the CPU peak measurement needs) are read
+    when the interpreter starts, before ``_child`` could set them.
+    """
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _collect(procs: list, results: Any, nproc: int, deadline: float) -> list[Any]:

@@ -1,12 +1,14 @@
 """One plan on every rank: rank 0 solves it, the others receive it.
 
 Plans are solved from measured timings, so two ranks that each solved their
-own could disagree. Instead rank 0 plans one decoder block (before sharding,
-on its own inputs) and broadcasts the plan's JSON; every rank then compiles
-its blocks with ``options={"plan": plan, "strict": True}``, so the backend
-applies exactly that plan or raises (no silent fallback to Inductor's own
-choice on one rank only). ``check_same_plan`` all-gathers the plan's digest,
-which makes "identical on every rank" a checked fact, not an assumption.
+own could disagree. Instead rank 0 traces the whole unsharded model at the
+microbatch shape, solves one whole-step plan (the budget shared out across
+layers by the ILP, see ``blocks``) and broadcasts its JSON; every rank then
+compiles its blocks with it (``compile_blocks(model, {"plan": plan})``).
+``check_same_plan`` all-gathers the plan's digest, which makes "identical on
+every rank" a checked fact, not an assumption; the backend's matching of a
+plan to a graph is deterministic, so identical plans on identical block
+graphs give identical decisions.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planfile import Plan, plan_from_json
-from .blocks import block_options, decoder_blocks
 
 
 def plan_digest(plan: Plan) -> str:
@@ -46,41 +47,31 @@ def check_same_plan(plan: Plan) -> str:
     return digests[0]
 
 
-def block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[Any, ...]:
-    """What the first decoder block receives when ``model`` runs ``input_ids`` (eager, no grad)."""
-    seen: list[tuple[Any, ...]] = []
-    hook = decoder_blocks(model)[0].register_forward_pre_hook(lambda _m, args: seen.append(args))
-    try:
-        with torch.no_grad():
-            model(input_ids)
-    finally:
-        hook.remove()
-    return tuple(a.detach().clone().requires_grad_(a.is_floating_point() and i == 0)
-                 if isinstance(a, torch.Tensor) else a for i, a in enumerate(seen[0]))
+def solve_step_plan(model: nn.Module, input_ids: torch.Tensor,
+                    options: Mapping[str, Any] | None = None) -> Plan:
+    """A whole-step plan for the unsharded ``model`` at ``input_ids``' (microbatch) shape.
 
-
-def solve_block_plan(model: nn.Module, input_ids: torch.Tensor,
-                     options: Mapping[str, Any] | None = None) -> Plan:
-    """A plan for one decoder block of the (unsharded) ``model`` at ``input_ids``' shape.
-
-    Compiles a copy of block 0 with the hilore backend (zero config: trace,
-    profile, solve) on the inputs the block sees, and returns that plan.
+    Traces and profiles the whole model (not one block: a block alone has no
+    meaningful GC reference, see ``blocks``) and solves it with the options'
+    budget, risk budget, buckets and codecs.
     """
-    from ..backend import HiLoReBackend
+    from ..passes.tracer import TraceConfig, trace
+    from ..solver import solve
 
-    blocks = decoder_blocks(model)
-    backend = HiLoReBackend(block_options(options, len(blocks)))
-    block = torch.compile(copy.deepcopy(blocks[0]), backend=backend, dynamic=False)
-    block(*block_inputs(model, input_ids))
-    if not backend.graphs:
-        raise RuntimeError("the hilore backend made no graph of the decoder block")
-    return backend.graphs[0].plan
+    options = dict(options or {})
+    codecs = tuple(options.get("codecs", ("bf16", "int8")))
+    config = TraceConfig(codecs=codecs, verbose=False, model_name=type(model).__name__)
+    traced = trace(copy.deepcopy(model), [input_ids], config=config)
+    kwargs = {} if options.get("risk_budget") is None else {"risk_budget": options["risk_budget"]}
+    batch, seq_len = input_ids.shape
+    return solve(traced, budget=options.get("memory_budget", "1.10x-gc"), buckets=options.get("buckets", 3),
+                 codecs=list(codecs), batch=int(batch), seq_len=int(seq_len), **kwargs)
 
 
-def shared_block_plan(model: nn.Module, input_ids: torch.Tensor,
-                      options: Mapping[str, Any] | None = None) -> Plan:
-    """Rank 0 solves ``solve_block_plan``, every rank returns the same plan (checked)."""
-    plan = solve_block_plan(model, input_ids, options) if dist.get_rank() == 0 else None
+def shared_step_plan(model: nn.Module, input_ids: torch.Tensor,
+                     options: Mapping[str, Any] | None = None) -> Plan:
+    """Rank 0 solves ``solve_step_plan``; every rank returns the same plan (checked)."""
+    plan = solve_step_plan(model, input_ids, options) if dist.get_rank() == 0 else None
     plan = broadcast_plan(plan)
     check_same_plan(plan)
     return plan

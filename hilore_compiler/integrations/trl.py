@@ -24,6 +24,7 @@ Per step TRL's log gains ``hilore/bucket_<name>`` (samples per bucket) and
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -233,7 +234,10 @@ class HiLoReGRPOTrainer(GRPOTrainer):
     # -- one microbatch -----------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        start = time.perf_counter()
         prepared = self._prepare_inputs(inputs)
+        # TRL times generation inside its training_step; it happens here now.
+        self._current_train_step_time += time.perf_counter() - start
         # The optimizer-step's last microbatch synchronises gradients across
         # ranks and makes sure every parameter has a .grad: never skip it.
         if isinstance(prepared, _Prepared) and prepared[SKIP_KEY] and not self.accelerator.sync_gradients:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hilore_compiler.passes.calibration import CalibrationConfig, calibrate
+from hilore_compiler.passes.calibration import CalibrationConfig, calibrate, measured_error
 from hilore_compiler.models import build_model, token_logprobs
 from hilore_compiler.solver import solve
 from hilore_compiler.passes.tracer import TraceConfig, trace
@@ -35,3 +35,14 @@ def test_calibration_measures_sensitivity_per_kind():
     assert all(p.grad is None for p in model.parameters())
     plan = solve(calibrated, budget="1.0x-store")
     assert not any(b.proxy_sensitivity for b in plan.buckets if not b.skip)
+
+    # How per-unit errors combine (solver/risk.py): on a measured plan of many
+    # compressed units, the squared errors add (quadrature); summing the
+    # errors themselves (the triangle inequality) overstates it.
+    units = [u for u in traced.units if "int8" in u.codecs and u.codecs["int8"].usable][:5]
+    *single, together = measured_error(model, [ids], loss, traced, [
+        *({u.key: "compress:int8"} for u in units), {u.key: "compress:int8" for u in units}])
+    quadrature = sum(e * e for e in single) ** 0.5
+    print(f"\nmulti-unit plan: measured {together:.3g}, quadrature {quadrature:.3g}, sum {sum(single):.3g}")
+    assert 0.8 * quadrature < together < 1.25 * quadrature, (together, quadrature, single)
+    assert abs(together - quadrature) < 0.5 * abs(sum(single) - together)  # closer than the plain sum

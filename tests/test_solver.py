@@ -345,3 +345,19 @@ def test_memory_model_by_hand():
     # A recompute chain across layers is refused: layer 1's input from layer 0's recomputed output.
     chain = {**decisions, "model.layers.1:add:0": RECOMPUTE, "model.layers.0.mlp.down_proj:mm:0": RECOMPUTE}
     assert any("another layer" in p for p in rule_violations(model, chain))
+
+
+def test_checked_in_small_trace_buckets_differ_where_the_budget_binds():
+    """The calibrated small-CPU trace at 1.10x-gc: at cos >= 0.999 its codecs are
+    far too accurate for the error budget to bind (README: risk < 1% of it);
+    at cos >= 0.999999 it binds, and then the buckets' plans must differ."""
+    from pathlib import Path
+
+    trace = Path(__file__).parent.parent / "traces" / "small-cpu-T2048.json"
+    loose = solve(trace, "1.10x-gc")
+    assert sum(b.risk for b in loose.buckets if not b.skip) < 0.01 * loose.risk_budget
+    assert not any(b.proxy_sensitivity for b in loose.buckets if not b.skip)  # calibrated
+    tight = solve(trace, "1.10x-gc", risk_budget="cos>=0.999999")
+    solved = [b for b in tight.buckets if not b.skip]
+    assert sum(b.risk for b in solved) > 0.4 * tight.risk_budget
+    assert len({b.decisions for b in solved}) > 1, "buckets collapsed to one plan where the budget binds"

@@ -5,19 +5,19 @@ representative unit (in the middle layer) is compressed with one codec while
 every other unit is stored; the gradient of a calibration batch is compared
 with the exact (store-all) one:
 
-    sensitivity(kind, codec) = ||g_compressed - g_exact|| / ||g_exact|| / E
+    sensitivity(kind, codec) = ||g_compressed - g_exact|| / ||g_exact||
 
-where E is the batch's exposure in plan units (mean over samples of
-sum_t |c_t| times the number of samples; about mean |advantage| for GRPO).
-The value is written to every unit of that kind, so the solver's risk
-(sensitivity x bucket exposure) is a measured relative gradient error rather
-than the rel_l2 proxy. Layers of one kind share a measurement: their
-activations have the same statistics after normalisation, and the solver's
-sum over units bounds their joint error by the triangle inequality.
+the relative gradient error of an update whose whole coefficient mass goes
+through the compressed unit (``solver/risk.py``). The loss is linear in the
+per-token coefficients (on-policy), so the size of the calibration batch's
+advantages does not change it. The value is written to every unit of that
+kind: layers of one kind share a measurement, their activations having the
+same statistics after normalisation. ``measured_error`` measures a whole
+plan's error, to check how per-unit errors combine (in quadrature).
 
 Cost: one eager AOT compile and one forward+backward per (kind, codec),
-without Inductor codegen: about a second each for the ``tiny`` model and a
-few seconds for ``small`` at sequence 2048.
+without Inductor codegen: about a second each for the ``tiny`` model and
+15-40 s for ``small`` at sequence 2048 on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.fx as fx
 from .capture import inductor_partition
 from .partition import partition_with_decisions
 from ..tracefile import RecoveryUnit, Trace
+from ..vocabulary import STORE, compress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,35 +100,47 @@ def _representatives(trace: Trace, layer: int | None) -> dict[str, RecoveryUnit]
     return chosen
 
 
-def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
-              trace: Trace, *, exposure: float, config: CalibrationConfig = CalibrationConfig()) -> Trace:
-    """Measure sensitivity per (unit kind, codec) and return the trace with it filled in.
-
-    ``example_inputs`` must have the traced shape; ``exposure`` is the
-    calibration batch's exposure in plan units (see the module docstring).
-    """
-    if not exposure > 0:
-        raise ValueError(f"calibration exposure must be positive, got {exposure}")
+def measured_error(model: torch.nn.Module, example_inputs: Sequence[Any],
+                   loss_fn: Callable[[Any], torch.Tensor], trace: Trace,
+                   plans: Sequence[Mapping[str, str]]) -> list[float]:
+    """Relative gradient error of each plan (``{unit key: option}``, others stored) vs store-all."""
     gm, inputs = _grab_graph(model, example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
-    store_all = {u.key: "store" for u in trace.units}
+    store_all = {u.key: STORE for u in trace.units}
     exact = _gradient(gm, inputs, params, loss_fn, store_all)
-    measured: dict[tuple[str, str], float] = {}
-    for kind, unit in _representatives(trace, config.layer).items():
-        for codec, cost in unit.codecs.items():
-            if not cost.usable or (config.codecs is not None and codec not in config.codecs):
-                continue
-            approx = _gradient(gm, inputs, params, loss_fn, {**store_all, unit.key: f"compress:{codec}"})
-            rel = float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
-            measured[kind, codec] = rel / exposure
-            if config.verbose:
-                print(f"hilore calibrate: {kind:<40} {codec:<5} rel. gradient error {rel:.2e}",
-                      file=sys.stderr, flush=True)
+    out = []
+    for plan in plans:
+        approx = _gradient(gm, inputs, params, loss_fn, {**store_all, **plan})
+        out.append(float((approx - exact).norm() / exact.norm().clamp_min(1e-30)))
     for p in params:
         p.grad = None
+    return out
+
+
+def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
+              trace: Trace, *, exposure: float | None = None,
+              config: CalibrationConfig = CalibrationConfig()) -> Trace:
+    """Measure sensitivity per (unit kind, codec) and return the trace with it filled in.
+
+    ``example_inputs`` must have the traced shape. ``exposure`` is accepted
+    for older callers and ignored: the sensitivity is a relative error, which
+    does not depend on the batch's exposure (module docstring).
+    """
+    del exposure
+    pairs = [(kind, unit, codec) for kind, unit in _representatives(trace, config.layer).items()
+             for codec, cost in unit.codecs.items()
+             if cost.usable and (config.codecs is None or codec in config.codecs)]
+    errors = measured_error(model, example_inputs, loss_fn, trace,
+                            [{unit.key: compress(codec)} for _, unit, codec in pairs])
+    measured: dict[tuple[str, str], float] = {}
+    for (kind, _, codec), rel in zip(pairs, errors):
+        measured[kind, codec] = rel
+        if config.verbose:
+            print(f"hilore calibrate: {kind:<40} {codec:<5} rel. gradient error {rel:.2e}",
+                  file=sys.stderr, flush=True)
     units = tuple(_with_sensitivity(u, measured) for u in trace.units)
-    note = (f"sensitivity calibrated on {len(measured)} (kind, codec) pairs at exposure {exposure:.3g}, "
-            "shared across layers of a kind")
+    note = (f"sensitivity calibrated on {len(measured)} (kind, codec) pairs: relative gradient "
+            "error with the unit compressed, shared across layers of a kind")
     return dataclasses.replace(trace, units=units, notes=(*trace.notes, note))
 
 

@@ -114,8 +114,8 @@ def _proxy_note(model: CostModel) -> tuple[bool, tuple[str, ...]]:
     if not any(pairs):
         return False, ()
     return True, (f"sensitivity of {sum(pairs)} of {len(pairs)} (unit, codec) pairs is the proxy "
-                  f"rel_l2 x {PROXY_FACTOR} x sqrt({PROXY_LAYERS} / layers) (risk.py); calibrate "
-                  "the trace to measure it",)
+                  f"gain(kind) x rel_l2 x sqrt({PROXY_LAYERS} / layers), gains measured on the small "
+                  f"policy, {PROXY_FACTOR} for other kinds (risk.py); calibrate the trace to measure it",)
 
 
 def _infeasible(model: CostModel, *, budget_text: str, budget_bytes: int, risk_budget: float,

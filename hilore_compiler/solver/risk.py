@@ -55,13 +55,24 @@ DEFAULT_TARGET_COSINE = 0.999
 DEFAULT_RISK_BUDGET = f"cos>={DEFAULT_TARGET_COSINE}"
 
 #: Proxy sensitivity per unit of activation rel_l2 error, for traces without
-#: calibration, at PROXY_LAYERS layers. Measured on the ``small`` policy
-#: (4 layers, sequence 2048; ``traces/small-cpu-T2048.json`` is calibrated):
-#: the median over (kind, codec) pairs of s / rel_l2 is about 0.04 (README,
-#: "Fidelity"). A unit's activation error reaches mainly the weight gradients
-#: of its own layer, which hold about 1/L of the gradient's squared norm, so
-#: s scales as sqrt(PROXY_LAYERS / L) for a model of L layers (``proxy``).
-PROXY_FACTOR = 0.04
+#: calibration: s = gain(kind) x rel_l2 x sqrt(PROXY_LAYERS / L) for a model of
+#: L layers. The gains are measured: ``traces/small-cpu-T2048.json`` (the
+#: ``small`` policy, 4 layers, sequence 2048) is calibrated, and per kind the
+#: ratio s / rel_l2 is the same for bf16, int8 and fp8 within 20% (the median
+#: is kept). It spans 0.006 (o_proj input) to 1.5 (attention: its saved
+#: log-sum-exp enters the backward through an exponential), so one factor for
+#: all kinds would be 25x off for attention. sqrt(PROXY_LAYERS / L): a unit's
+#: activation error reaches mainly the weight gradients of its own layer,
+#: which hold about 1/L of the gradient's squared norm. Kinds not measured
+#: take PROXY_FACTOR, the median over all measured (kind, codec) pairs.
+PROXY_GAIN: dict[str, float] = {
+    "embed_tokens.embedding": 0.037, "input_layernorm.rsqrt": 0.065, "self_attn.q_proj.linear": 0.024,
+    "self_attn.add": 0.019, "self_attn.repeat_interleave": 0.0063, "self_attn.sdpa": 1.5,
+    "self_attn.o_proj.linear": 0.0065, "post_attention_layernorm.rsqrt": 0.42,
+    "mlp.gate_proj.linear": 0.12, "mlp.up_proj.linear": 0.26, "mlp.down_proj.linear": 0.079,
+    "add": 0.036, "norm.rsqrt": 1.1, "lm_head.linear": 0.3,
+}
+PROXY_FACTOR = 0.058
 PROXY_LAYERS = 4
 
 #: Buckets when none are given.
@@ -106,12 +117,12 @@ def sensitivity(unit: RecoveryUnit, codec: str, layers: int = PROXY_LAYERS) -> t
     """(sensitivity of ``unit`` under ``codec``, whether it is the proxy) in a model of ``layers``."""
     if codec in unit.sensitivity:
         return float(unit.sensitivity[codec]), False
-    return proxy(float(unit.codecs[codec].rel_l2), layers), True
+    return proxy(unit.kind, float(unit.codecs[codec].rel_l2), layers), True
 
 
-def proxy(rel_l2: float, layers: int) -> float:
-    """The proxy sensitivity of a unit whose activation error is ``rel_l2`` (see PROXY_FACTOR)."""
-    return rel_l2 * PROXY_FACTOR * math.sqrt(PROXY_LAYERS / max(layers, 1))
+def proxy(kind: str, rel_l2: float, layers: int) -> float:
+    """The proxy sensitivity of a ``kind`` unit whose activation error is ``rel_l2`` (PROXY_GAIN)."""
+    return PROXY_GAIN.get(kind, PROXY_FACTOR) * rel_l2 * math.sqrt(PROXY_LAYERS / max(layers, 1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

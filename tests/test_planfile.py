@@ -58,7 +58,8 @@ def test_bucket_for_exposure(plan):
     b0 = plan.bucket("b0").bucket
     assert plan.bucket_for(0.0) == "zero"
     assert plan.bucket_for(b0.hi / 2) == "b0"
-    assert plan.bucket_for(b0.hi) == "b1"  # ranges are [lo, hi)
+    assert plan.bucket_for(b0.hi) == "b0"  # ranges are (lo, hi]: a bucket holds its top
+    assert plan.bucket_for(b0.hi * 1.001) == "b1"
     assert plan.bucket_for(1e9) == "b1"
     with pytest.raises(ValueError):
         plan.bucket_for(-1.0)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 from ..jsonio import check_output_path, save_or_fallback
 from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
+from .show import exposure_range
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,11 +52,10 @@ def summary_lines(plan: Plan) -> list[str]:
         if b.skip:
             lines.append(f"  {spec.name:>6}  exposure 0: skip backward")
             continue
-        hi = "inf" if math.isinf(spec.hi) else f"{spec.hi:g}"
         gc = f"{b.memory_bytes / plan.gc_bytes:.2f}x GC" if plan.gc_bytes else ""
         gap = "" if b.solver.gap is None else f", gap {b.solver.gap:.2%}"
         lines.append(
-            f"  {spec.name:>6}  exposure [{spec.lo:g}, {hi}) at {spec.exposure:g}: memory "
+            f"  {spec.name:>6}  exposure {exposure_range(spec)} at {spec.exposure:g}: memory "
             f"{format_bytes(b.memory_bytes)} ({gc}), recovery {format_seconds(b.time_s)}, risk "
             f"{b.risk:.3g}/{plan.risk_budget:g}{' (proxy sensitivity)' if b.proxy_sensitivity else ''}, "
             f"{b.solver.status} in {b.solver.seconds:.2f} s{gap}"

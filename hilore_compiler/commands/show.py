@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..jsonio import FormatError, check_output_path, read_object
-from ..planfile import COMPRESS_PREFIX, PLAN_SCHEMA, RECOMPUTE, STORE, Plan, PlanUnit, plan_from_json
+from ..planfile import COMPRESS_PREFIX, PLAN_SCHEMA, RECOMPUTE, STORE, BucketSpec, Plan, PlanUnit, plan_from_json
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
 from ..solver.pareto import DEFAULT_POINTS
@@ -102,6 +102,11 @@ def _ratio(n: int, ref: int) -> str:
     return f"{n / ref:.2f}x" if ref else "-"
 
 
+def exposure_range(spec: BucketSpec) -> str:
+    """A bucket's exposure range as ``vocabulary.in_bucket`` reads it: ``(lo, hi]``."""
+    return f"({spec.lo:g}, inf)" if math.isinf(spec.hi) else f"({spec.lo:g}, {spec.hi:g}]"
+
+
 def render_plan(plan: Plan) -> str:
     """The plan as sections: header, buckets, per layer, per kind, totals."""
     head = [
@@ -115,9 +120,8 @@ def render_plan(plan: Plan) -> str:
     bucket_rows = []
     for b in plan.buckets:
         s, solver = b.bucket, b.solver
-        hi = "inf" if math.isinf(s.hi) else f"{s.hi:g}"
         bucket_rows.append([
-            s.name, "{0}" if b.skip else f"[{s.lo:g}, {hi})", f"{s.exposure:g}",
+            s.name, "{0}" if b.skip else exposure_range(s), f"{s.exposure:g}",
             "skip" if b.skip else f"{b.risk:.3g}", "yes" if b.proxy_sensitivity else "no",
             solver.status if solver else "-", f"{solver.seconds:.2f}" if solver else "-",
             "-" if solver is None or solver.gap is None else f"{solver.gap:.2%}",

@@ -100,7 +100,8 @@ def test_saved_bytes_match_prediction_and_differ_by_bucket(tiny, tiny_two_bucket
         predicted = graph.predicted_saved_bytes(bucket)
         assert actual == pytest.approx(predicted, rel=0.05), bucket
     assert saved["b0"] < 0.8 * saved["b1"]
-    assert graph.records[0].counts["recompute"] > 0
+    (low,) = [r for r in graph.records if r.bucket == "b0"]
+    assert low.counts["recompute"] > 0 and low.matched == low.units
 
 
 def test_switching_buckets_does_not_recompile(tiny, tiny_two_buckets):
@@ -168,6 +169,15 @@ def test_plan_for_another_model_is_refused(tiny):
     plan = fixed_plan(traced, {"b0": store_all(traced)}, buckets=1)
     compiled = torch.compile(other, backend=HiLoReBackend({"plan": plan}))
     with pytest.raises(Exception, match="does not match this graph"):
+        compiled(_ids())
+
+
+def test_plan_for_a_wider_model_with_the_same_keys_is_refused(tiny):
+    _, _, traced = tiny
+    wider = build_model("tiny", hidden=128, intermediate=256)  # same unit keys, other sizes
+    plan = fixed_plan(traced, {"b0": store_all(traced)}, buckets=1)
+    compiled = torch.compile(wider, backend=HiLoReBackend({"plan": plan}))
+    with pytest.raises(Exception, match="made for another model"):
         compiled(_ids())
 
 

@@ -2,38 +2,41 @@
 
 ``torch.compile(model, backend="hilore", options={...})`` resolves here through
 the ``torch_dynamo_backends`` entry point. For each dynamo graph the backend
-gets a plan (given, cached, or made now: trace, profile, solve), compiles the
-graph once per distinct bucket plan with Inductor and a ``PlanPartitioner``,
-and returns a callable that runs the variant of the current
-``exposure(bucket)``. One dynamo graph, no recompiles, autograd intact.
+compiles with Inductor and a ``PlanPartitioner``, which gets the plan from a
+``GraphPlanner`` (given, cached, or made on the joint graph in that call),
+then compiles the graph again for each other distinct bucket plan, and
+returns a callable that runs the variant of the current ``exposure(bucket)``.
+One dynamo graph, no recompiles, autograd intact. A graph that cannot be
+planned is compiled by plain Inductor, with a warning (``strict`` raises).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-from .partitioner import PartitionRecord, PlanPartitioner
+from ..jsonio import FormatError
+from ..passes.apply import PlanMismatchError
 from ..planfile import Plan
+from .matching import default_bucket
 from .options import BackendOptions
+from .partitioner import PartitionRecord, PlanPartitioner
+from .planning import DynamicShapeError, GraphPlanner, fall_back
 from .runtime import current_bucket
-
 
 
 @dataclass(slots=True)
 class CompiledGraph:
     """What the backend made of one dynamo graph, kept for inspection."""
 
-    plan: Plan
+    #: None when nothing was planned (no backward, nothing saved, or a fallback).
+    plan: Plan | None
     variants: dict[str, Callable[..., Any]]
     #: Bucket name -> the bucket whose identical decisions it shares a variant with.
     variant_of: dict[str, str]
@@ -59,25 +62,50 @@ class HiLoReBackend:
         self.graphs: list[CompiledGraph] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from .planning import plan_for_graph
+        if not _has_partitioner_hook():
+            fall_back(self.options, RuntimeError(
+                f"torch {torch.__version__} has no custom partitioner hook (hilore needs torch >= 2.9)"), "every graph")
+            return _compile_variant(gm, example_inputs, None)
+        try:
+            planner = GraphPlanner(gm, example_inputs, self.options)
+        except DynamicShapeError as error:
+            fall_back(self.options, error, "this dynamic graph")
+            return _compile_variant(gm, example_inputs, None)
+        try:
+            return self._compile(planner, gm, example_inputs)
+        except (PlanMismatchError, FormatError):
+            raise  # a plan the user gave that does not fit: their input, their error
+        except Exception as error:  # planning never stops training: see fall_back
+            if self.options.strict or _is_dynamo_control_flow(error):
+                raise
+            fall_back(self.options, RuntimeError(f"compiling with the plan failed ({type(error).__name__}: "
+                                                 f"{error})"), "this graph")
+            return _compile_variant(gm, example_inputs, None)
 
+    def _compile(self, planner: GraphPlanner, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
-        plan, trace = plan_for_graph(gm, example_inputs, self.options)
         records: list[PartitionRecord] = []
-        variants, variant_of, by_digest = {}, {}, {}
+        first = PlanPartitioner(planner, None, records)
+        compiled_first = _compile_variant(gm, example_inputs, first)
+        plan = planner.plan
+        if plan is None or first.bucket_used is None and records:
+            # Nothing planned (no backward, nothing saved, or a fallback).
+            compiled = CompiledGraph(None, {"inductor": compiled_first}, {}, records,
+                                     time.perf_counter() - start, "inductor")
+            self.graphs.append(compiled)
+            return compiled_first
+        default = first.bucket_used or default_bucket(plan)
+        variants, variant_of, by_decisions = {default: compiled_first}, {}, {}
+        by_decisions[tuple(plan.bucket(default).decisions)] = default
         for bucket in plan.buckets:
             if bucket.skip:
                 continue
-            name, decisions = bucket.bucket.name, dict(bucket.decisions)
-            digest = _digest(plan.fingerprint, decisions)
-            if digest not in by_digest:
+            name, decisions = bucket.bucket.name, tuple(bucket.decisions)
+            if decisions not in by_decisions:
                 # Buckets with identical decisions share one compiled variant.
-                by_digest[digest] = name
-                partitioner = PlanPartitioner(name, decisions, digest, records)
-                variants[name] = _compile_variant(gm, example_inputs, partitioner)
-            variant_of[name] = by_digest[digest]
-        solved = [b for b in plan.buckets if not b.skip]
-        default = max(solved, key=lambda b: b.bucket.exposure).bucket.name
+                by_decisions[decisions] = name
+                variants[name] = _compile_variant(gm, example_inputs, PlanPartitioner(planner, name, records))
+            variant_of[name] = by_decisions[decisions]
         for bucket in plan.buckets:
             # The skip bucket (and any without a variant) runs the default's.
             variant_of.setdefault(bucket.bucket.name, variant_of[default])
@@ -86,17 +114,25 @@ class HiLoReBackend:
         return _dispatcher(compiled)
 
 
-def _digest(fingerprint: str, decisions: Mapping[str, str]) -> str:
-    text = fingerprint + "".join(f"{k}={v};" for k, v in sorted(decisions.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def _is_dynamo_control_flow(error: Exception) -> bool:
+    """Exceptions dynamo raises through backends to restart or skip a frame."""
+    from torch._dynamo import exc
+
+    return isinstance(error, (exc.RestartAnalysis, exc.SkipFrame))
 
 
-def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: PlanPartitioner):
+def _has_partitioner_hook() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config, "custom_partitioner_fn")
+
+
+def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: PlanPartitioner | None):
     from torch._inductor.compile_fx import compile_fx
 
+    patches = {} if partitioner is None else {"custom_partitioner_fn": partitioner}
     # compile_fx traces the module again; a copy keeps variants independent.
-    return compile_fx(copy.deepcopy(gm), list(example_inputs),
-                      config_patches={"custom_partitioner_fn": partitioner})
+    return compile_fx(copy.deepcopy(gm), list(example_inputs), config_patches=patches)
 
 
 def _dispatcher(compiled: CompiledGraph) -> Callable[..., Any]:
@@ -117,9 +153,13 @@ def hilore_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: M
     """The ``"hilore"`` backend as torch.compile calls it by name."""
     backend = HiLoReBackend(options)
     LAST_BACKENDS.append(backend)
-    del LAST_BACKENDS[:-8]
+    del LAST_BACKENDS[:-LAST_BACKENDS_KEPT]
     return backend(gm, example_inputs)
 
+
+#: How many backends made by name ``LAST_BACKENDS`` keeps: enough for a model
+#: with a few graph breaks, few enough that old compiles' graphs are freed.
+LAST_BACKENDS_KEPT = 8
 
 #: The most recent backends made by name, for inspection in notebooks and tests.
 LAST_BACKENDS: list[HiLoReBackend] = []

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planfile import Plan
+from .cache import default_cache_dir
 from ..validate import plan_problems, raise_problems
 
 
@@ -30,9 +31,9 @@ class BackendOptions:
     codecs: tuple[str, ...] = ("bf16", "int8")
     #: Number of non-zero exposure buckets (one compiled variant each at most).
     buckets: int = 3
-    #: Where zero-config plans and traces are cached, keyed by graph and options.
-    cache_dir: str = field(default_factory=lambda: os.environ.get(
-        "HILORE_CACHE_DIR", str(Path.home() / ".cache" / "hilore")))
+    #: Where zero-config plans and traces are cached, keyed by graph and
+    #: options: ``$HILORE_CACHE_DIR`` or ``~/.cache/hilore`` (also when empty).
+    cache_dir: str = field(default_factory=default_cache_dir)
     #: Say on stderr what was planned and where the plan is.
     verbose: bool = True
     #: Raise instead of falling back to Inductor's own choice when a plan does

@@ -7,33 +7,42 @@ joint-graph passes and codegen stay as they are and no global config changes.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from ..passes.annotate import UnitNodes, annotate_units, is_activation
+from ..passes.annotate import is_activation
 from ..passes.apply import apply_decisions
 from ..passes.capture import saved_output_names
+
+from .matching import unit_nbytes
+
+if TYPE_CHECKING:
+    from .planning import GraphPlanner
 
 
 @dataclass(slots=True)
 class PartitionRecord:
     """What one partitioner call did, kept for inspection."""
 
+    #: The bucket partitioned; ``"inductor"`` when nothing was planned.
     bucket: str
     units: int = 0
+    #: Units that had a decision in the plan (the rest kept Inductor's choice).
+    matched: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     #: Bytes of the tensors the partitioned forward graph saves for backward.
     saved_bytes: int = 0
+    #: What Inductor's own partition saves (the recovery units' bytes).
     default_saved_bytes: int = 0
     #: FLOPs of the partitioned backward graph (recomputed matmuls included).
     backward_flops: int = 0
@@ -79,31 +88,33 @@ def graph_flops(gm: fx.GraphModule) -> int:
     return total
 
 
-def default_units(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[list[UnitNodes], int]:
-    """Recovery units of ``joint`` as the default min-cut partition saves them."""
-    fw, _ = min_cut_rematerialization_partition(copy.deepcopy(joint), joint_inputs, **kwargs)
-    saved = saved_output_names(fw, kwargs["num_fwd_outputs"])
-    return annotate_units(joint, saved), saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], joint)
-
-
 class PlanPartitioner(CustomPartitionerFn):
-    """Min-cut partition of the joint graph after one bucket's plan is applied.
+    """Min-cut partition of the joint graph after one bucket's decisions are applied.
 
-    ``decisions`` maps unit keys to options; a graph whose units differ from
-    the plan's is refused by ``apply_decisions`` (``PlanMismatchError``),
-    never partitioned by guess.
+    The decisions come from ``planner`` on the joint graph handed in: a
+    zero-config planner makes its plan here, on the first call. ``bucket``
+    None means the plan's default bucket; ``bucket_used`` says which it was.
     """
 
-    def __init__(self, bucket: str, decisions: Mapping[str, str],
-                 plan_digest: str, records: list[PartitionRecord]):
-        self.bucket, self.decisions = bucket, dict(decisions)
-        self.plan_digest, self.records = plan_digest, records
+    def __init__(self, planner: GraphPlanner, bucket: str | None, records: list[PartitionRecord]):
+        self.planner, self.bucket, self.records = planner, bucket, records
+        self.bucket_used: str | None = bucket
+        # Known before the compile: the cache may serve a graph partitioned
+        # for exactly this plan and bucket. Unknown: never serve a cached one.
+        self._uuid = None
+        if planner.plan_known:
+            payload = json.dumps([planner.plan.fingerprint, planner.plan.to_json(), bucket, _SOURCE_DIGEST],
+                                 sort_keys=True, default=str)
+            self._uuid = hashlib.sha256(payload.encode()).hexdigest()
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()
-        record = PartitionRecord(bucket=self.bucket)
-        units, record.default_saved_bytes = default_units(gm, joint_inputs, **kwargs)
-        record.units, record.counts = len(units), apply_decisions(gm, units, self.decisions)
+        units, decisions = self.planner.prepare(gm, joint_inputs, self.bucket, **kwargs)
+        self.bucket_used = decisions.bucket
+        record = PartitionRecord(bucket=decisions.bucket or "inductor", units=len(units),
+                                 matched=len(decisions.decisions),
+                                 default_saved_bytes=sum(map(unit_nbytes, units)))
+        record.counts = apply_decisions(gm, units, decisions.decisions)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         record.saved_bytes = saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], gm)
         record.backward_flops = graph_flops(bw)
@@ -117,8 +128,18 @@ class PlanPartitioner(CustomPartitionerFn):
         # out-channel, so the copy must be the object itself.
         return self
 
-    def uuid(self) -> str:
-        # Inductor's FX graph cache keys on this: it changes with the plan and
-        # bucket, or a cached graph of another plan would be served.
-        payload = json.dumps([self.plan_digest, self.bucket, __file__], sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()
+    def uuid(self) -> str | None:
+        # Inductor's caches key on this: it changes with the plan and bucket,
+        # and is None (no caching) while the plan is made inside the call.
+        return self._uuid
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+#: A partition made by other hilore code must not be served from Inductor's cache.
+_SOURCE_DIGEST = _source_digest()

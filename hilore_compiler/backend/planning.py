@@ -1,10 +1,12 @@
-"""Where the backend's plan comes from: given, cached, or made on first compile.
+"""Where a graph's plan comes from: given, cached, or made on the joint graph.
 
-Zero config: the first compile traces and profiles the dynamo graph, solves
-the embedded default (``1.10x-gc``), and caches trace and plan on disk under a
-key of the graph's code, input shapes and the planning options, so the next
-process reuses them. A plan made for another shape is re-solved from its
-trace when one is given; a plan for another model is refused.
+One graph, one truth: a zero-config plan is made inside Inductor's
+partitioner call, on the very joint graph that is then partitioned (trace,
+profile, solve, apply), so the units planned are the units applied. The plan
+and its trace are cached on disk under a key of the graph's code, input
+shapes and the planning options, so the next process starts from the plan
+(``PlanCache``). A given plan is matched to the graph's units by key
+(``matching``); a plan made for another shape is re-solved from its trace.
 """
 
 from __future__ import annotations
@@ -12,61 +14,78 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..passes.annotate import UnitNodes, annotate_units
 from ..passes.apply import PlanMismatchError
+from ..passes.capture import GraphCapture, capture_joint, lifted_args
 from ..planfile import Plan, load_plan
 from ..tracefile import Trace, load_trace
-
-if TYPE_CHECKING:
-    from .options import BackendOptions
+from .cache import PlanCache
+from .matching import GraphDecisions, match_plan
+from .options import BackendOptions
 
 #: Bumped when traces or plans made by older code must not be reused.
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
+
+
+class HiLoReWarning(UserWarning):
+    """The backend fell back to Inductor's own choice for something it could not plan."""
+
+
+class DynamicShapeError(ValueError):
+    """Dynamo made the graph dynamic; plans are per static shape."""
 
 
 def graph_shape(example_inputs: Sequence[Any]) -> tuple[int, int]:
-    """(batch, sequence) of the first 2-D integer input: the token ids."""
+    """(batch, sequence) of a graph: the plan's shape.
+
+    The first 2-D integer input (token ids) when there is one, else the first
+    two dims of the first non-parameter tensor input (hidden states of a
+    per-block compile, images of a CNN), else (1, 1). Refuses dynamic graphs.
+    """
     if any(isinstance(x, torch.SymInt) for x in example_inputs):
-        raise ValueError(
-            "hilore plans per static (batch, sequence) shape, but dynamo made this graph "
-            "dynamic after seeing a second shape: compile with "
-            "torch.compile(model, backend='hilore', dynamic=False)"
+        raise DynamicShapeError(
+            "hilore plans per static shape, but dynamo made this graph dynamic after seeing "
+            "a second shape: compile with torch.compile(model, backend='hilore', dynamic=False)"
         )
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point():
+    inputs = [x for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)]
+    for x in inputs:
+        if x.dim() == 2 and not x.is_floating_point():
             return int(x.shape[0]), int(x.shape[1])
-    raise ValueError(
-        "hilore plans per (batch, sequence) shape and found no 2-D integer input "
-        "(token ids) in this graph's inputs"
-    )
+    for x in inputs:
+        if x.dim() >= 1:
+            return int(x.shape[0]), int(x.shape[1]) if x.dim() >= 2 else 1
+    return 1, 1
 
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
     """Hash of hilore's own source: a cached plan made by other code is stale."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
-    shapes = [(tuple(x.shape), str(x.dtype)) for x in example_inputs if isinstance(x, torch.Tensor)]
+    shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
     planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets]
     text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), planning],
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def _solve(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> Plan:
+def solve_for(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> Plan:
+    """The plan the options ask for, solved from ``trace`` at (batch, seq_len)."""
     from ..solver import DEFAULT_RISK_BUDGET, solve
 
     risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
@@ -74,9 +93,20 @@ def _solve(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> P
                  codecs=list(options.codecs), batch=batch, seq_len=seq_len)
 
 
-def _say(options: BackendOptions, message: str) -> None:
+def say(options: BackendOptions, message: str) -> None:
+    """Progress on stderr when ``options.verbose``."""
     if options.verbose:
+        import sys
+
         print(f"hilore: {message}", file=sys.stderr, flush=True)
+
+
+def fall_back(options: BackendOptions, error: Exception, what: str) -> None:
+    """Raise ``error`` under ``strict``; otherwise say once that Inductor decides ``what``."""
+    if options.strict:
+        raise error
+    warnings.warn(f"hilore: {error}; {what} falls back to Inductor's own choice "
+                  "(options={'strict': True} raises instead)", HiLoReWarning, stacklevel=3)
 
 
 def given_plan(options: BackendOptions, batch: int, seq_len: int) -> Plan:
@@ -96,37 +126,98 @@ def given_plan(options: BackendOptions, batch: int, seq_len: int) -> Plan:
             f"trace {options.trace} (fingerprint {trace.fingerprint}) is not the plan's "
             f"model (fingerprint {plan.fingerprint})"
         )
-    _say(options, f"re-solving the plan for batch {batch}, sequence {seq_len} from {options.trace}")
-    return _solve(trace, options, batch, seq_len)
+    say(options, f"re-solving the plan for batch {batch}, sequence {seq_len} from {options.trace}")
+    return solve_for(trace, options, batch, seq_len)
 
 
-def plan_for_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                   options: BackendOptions) -> tuple[Plan, Trace | None]:
-    """The plan to apply to ``gm``: given, cached, or traced and solved now."""
-    batch, seq_len = graph_shape(example_inputs)
-    if options.plan is not None:
-        return given_plan(options, batch, seq_len), None
-    key = cache_key(gm, example_inputs, options)
-    cache = Path(options.cache_dir).expanduser()
-    plan_path, trace_path = cache / f"{key}.plan.json", cache / f"{key}.trace.json"
-    if plan_path.exists():
-        _say(options, f"using cached plan {plan_path}")
-        return load_plan(plan_path), None
-    trace = trace_graph(gm, example_inputs, options, batch, seq_len, name=f"graph-{key[:8]}")
-    trace.save(trace_path)
-    plan = _solve(trace, options, batch, seq_len)
-    plan.save(plan_path)
-    _say(options, f"traced {len(trace.units)} recovery units and solved a {options.memory_budget} "
-                  f"plan with {len(plan.buckets)} buckets; plan: {plan_path} (inspect: hilore show)")
-    return plan, trace
+def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, seq_len: int, name: str) -> Trace:
+    """Annotate and profile one captured joint graph into a trace."""
+    from ..passes.tracer import TraceConfig, trace_captures
+
+    config = TraceConfig(model_name=name, codecs=tuple(options.codecs), verbose=False)
+    return trace_captures([capture], batch, seq_len, config)
 
 
 def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions,
                 batch: int, seq_len: int, name: str) -> Trace:
-    """Trace and profile one dynamo graph on the inputs it was compiled for."""
+    """Trace and profile one dynamo graph on the inputs it was compiled for
+    (the joint graph as Inductor's partitioner receives it)."""
     from ..passes.capture import capture_graph_module
-    from ..passes.tracer import TraceConfig, trace_captures
 
-    capture = capture_graph_module(gm, example_inputs)
-    config = TraceConfig(model_name=name, codecs=tuple(options.codecs), verbose=False)
-    return trace_captures([capture], batch, seq_len, config)
+    return trace_capture(capture_graph_module(gm, example_inputs), options, batch, seq_len, name)
+
+
+class GraphPlanner:
+    """Plans one dynamo graph; its partitioners ask it for each bucket's decisions.
+
+    The plan is known before the compile when it is given or cached;
+    otherwise the first partitioner call makes it on its joint graph. Every
+    later call (one per distinct bucket plan) re-derives the units from the
+    default partition's saved values, learnt once per joint graph.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions):
+        self.options = options
+        self.real_args = lifted_args(gm, example_inputs)
+        self.batch, self.seq_len = graph_shape(example_inputs)
+        self.plan: Plan | None = None
+        self.trace: Trace | None = None
+        #: False once planning failed or found nothing: Inductor then decides.
+        self.planning = True
+        self.cache: PlanCache | None = None
+        self._saved: dict[str, set[str]] = {}
+        if options.plan is not None:
+            self.plan = given_plan(options, self.batch, self.seq_len)
+        else:
+            self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options)
+            self.plan = self.cache.load_plan()
+
+    @property
+    def plan_known(self) -> bool:
+        return self.plan is not None
+
+    def prepare(self, joint: fx.GraphModule, joint_inputs: Sequence[object], bucket: str | None,
+                **kwargs: Any) -> tuple[list[UnitNodes], GraphDecisions]:
+        """The units of ``joint`` and ``bucket``'s decisions for them (None: the default bucket)."""
+        digest = hashlib.sha256(joint.code.encode()).hexdigest()
+        make_plan = self.plan is None and self.planning
+        if make_plan or digest not in self._saved:
+            capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan, **kwargs)
+            self._saved[digest] = capture.saved_names
+            if make_plan:
+                self._make_plan(capture)
+        units = annotate_units(joint, self._saved[digest])
+        if self.plan is None:
+            return units, GraphDecisions.none()
+        decisions = match_plan(self.plan, bucket, units, self.batch, self.seq_len)
+        if decisions.unknown or decisions.missing:
+            fall_back(self.options, PlanMismatchError(decisions.mismatch_message()),
+                      f"{len(decisions.missing)} unit(s) of this graph without a decision")
+        return units, decisions
+
+    def _make_plan(self, capture: GraphCapture) -> None:
+        """Trace, profile and solve the captured joint graph (zero config)."""
+        options = self.options
+        try:
+            name = f"graph-{self.cache.key[:8]}" if self.cache else "graph"
+            # Profiling runs real tensors: Inductor's fake mode must be off.
+            with unset_fake_temporarily():
+                self.trace = trace_capture(capture, options, self.batch, self.seq_len, name)
+            if not self.trace.units:
+                self.planning = False
+                say(options, "the graph's backward saves nothing: nothing to plan")
+                return
+            if self.cache:
+                self.cache.save_trace(self.trace)
+            self.plan = solve_for(self.trace, options, self.batch, self.seq_len)
+        except Exception as error:  # planning never stops training: see fall_back
+            if options.strict:
+                raise
+            self.planning = False
+            fall_back(options, RuntimeError(f"could not plan this graph ({type(error).__name__}: {error})"),
+                      "every unit")
+            return
+        where = self.cache.save_plan(self.plan) if self.cache else None
+        say(options, f"traced {len(self.trace.units)} recovery units and solved a {options.memory_budget} "
+                     f"plan with {len(self.plan.buckets)} buckets"
+                     + (f"; plan: {where} (inspect: hilore show)" if where else ""))

@@ -21,7 +21,10 @@ import torch.fx as fx
 #: node.meta key holding the recovery unit key of a saved node.
 UNIT_META = "hilore_unit"
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: A layer is an entry of the first ``nn.ModuleList`` / ``nn.Sequential`` on a
+#: module path: the first all-digit path component (``model.layers.3.mlp``,
+#: ``transformer.h.3.attn``, ``blocks.3``), whatever the container is called.
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True, slots=True)

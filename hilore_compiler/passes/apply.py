@@ -38,24 +38,21 @@ class PlanMismatchError(ValueError):
 
 
 def check_decisions(units: list[UnitNodes], decisions: Mapping[str, str]) -> None:
-    """Refuse a plan whose units are not this graph's, or that breaks its rules."""
-    keys = {u.key for u in units}
-    unknown = sorted(set(decisions) - keys)
-    missing = sorted(keys - set(decisions))
-    if unknown or missing:
-        raise PlanMismatchError(
-            f"the plan does not match this graph: {len(unknown)} plan units are not in the "
-            f"graph (e.g. {unknown[:3]}), {len(missing)} graph units have no decision "
-            f"(e.g. {missing[:3]}). Make the plan from a trace of this model "
-            "(hilore trace, then hilore plan)"
-        )
+    """Refuse decisions for units this graph lacks, or that break the plan's rules.
+
+    Units without a decision are allowed: they keep Inductor's own choice
+    (``backend.matching`` decides, and says, which units those are).
+    """
+    unknown = sorted(set(decisions) - {u.key for u in units})
+    if unknown:
+        raise PlanMismatchError(f"decisions for units that are not in this graph: {unknown[:3]}")
     by_key = {u.key: u for u in units}
     for key, option in decisions.items():
         unit = by_key[key]
         if option == RECOMPUTE:
             if not unit.recomputable:
                 raise PlanMismatchError(f"plan recomputes {key}, which is not recomputable: {unit.not_recomputable_reason}")
-            compressed = [k for k in frontier_keys(unit) if decisions[k].startswith(COMPRESS)]
+            compressed = [k for k in frontier_keys(unit) if decisions.get(k, "").startswith(COMPRESS)]
             if compressed:
                 raise PlanMismatchError(f"plan recomputes {key} from compressed units {compressed}")
         elif option.startswith(COMPRESS):
@@ -71,12 +68,12 @@ def apply_decisions(joint: fx.GraphModule, units: list[UnitNodes], decisions: Ma
     # Recompute regions first, stores second: a stored value that lies inside
     # a recompute region (a shared view base) stays stored and is read there.
     for unit in units:
-        if decisions[unit.key] == RECOMPUTE:
+        if decisions.get(unit.key) == RECOMPUTE:
             for node in unit.region:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             counts[RECOMPUTE] += 1
     for unit in units:
-        if decisions[unit.key] == STORE:
+        if decisions.get(unit.key) == STORE:
             for node in unit.saved:
                 storage_root(node).meta["recompute"] = CheckpointPolicy.MUST_SAVE
             counts[STORE] += 1
@@ -84,7 +81,7 @@ def apply_decisions(joint: fx.GraphModule, units: list[UnitNodes], decisions: Ma
     # then comes from the decoded copy.
     roots: dict[fx.Node, object] = {}
     for unit in units:
-        option = decisions[unit.key]
+        option = decisions.get(unit.key, "")
         if option.startswith(COMPRESS):
             codec = codec_registry.get_codec(option[len(COMPRESS):])
             for node in unit.saved:

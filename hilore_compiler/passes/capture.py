@@ -1,22 +1,33 @@
-"""Capture: the AOT joint graphs torch.compile builds, and what min-cut saves.
+"""Capture: the AOT joint graph Inductor's partitioner receives, and what min-cut saves.
 
-The model is compiled with a recording AOTAutograd backend that uses
-Inductor's decompositions and joint-graph passes, so the joint graph is the
-one Inductor's partitioner would receive. Its forward and backward
-"compilers" run the graphs as they are (no Inductor codegen), which keeps
-tracing cheap and works on the meta device.
+The joint graph is taken from inside Inductor itself: ``compile_fx`` runs
+with a custom partitioner that records the joint graph it is handed (after
+Inductor's decompositions and joint-graph passes, on every device) and then
+stops the compile before any code generation. The backend plans on the same
+object in the same place, so the units a trace names are the units a compile
+sees. Saved values are recorded by running the default partition's forward
+graph on the real inputs.
+
+Models on the meta device (roofline traces of big models) cannot go through
+Inductor, whose joint passes fold a meta graph away; they are captured with
+an AOTAutograd backend that uses Inductor's decompositions only.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .annotate import is_backward, storage_root
 
 
 @dataclass(slots=True)
@@ -29,9 +40,13 @@ class GraphCapture:
     bw: fx.GraphModule
     #: Names of forward nodes the default min-cut partition saves for backward.
     saved_names: set[str]
-    #: Forward node name -> value from the first real call (saved values, views
-    #: and graph inputs only: enough to re-run any recompute region).
+    #: Forward node name -> value from a real run of the forward graph (saved
+    #: values, their storage, views and graph inputs: enough to re-run any
+    #: recompute region).
     values: dict[str, Any] = field(default_factory=dict)
+    #: True when the joint graph's inputs could not be matched to the real
+    #: ones and values come from random inputs of the right shapes.
+    synthetic_values: bool = False
 
 
 def saved_output_names(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
@@ -40,20 +55,160 @@ def saved_output_names(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
     return {o.name for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
 
 
-class _ValueRecorder(fx.Interpreter):
-    """Runs the forward graph once and keeps the values named in ``keep``."""
+def light_copy(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``joint``'s graph that shares its module and constants.
 
-    def __init__(self, gm: fx.GraphModule, keep: set[str], store: dict[str, Any]):
-        super().__init__(gm)
-        self.keep, self.store = keep, store
+    ``copy.deepcopy`` would copy the tensor constants a joint graph holds
+    (Hugging Face cache code leaves real ``_tensor_constant`` tensors there),
+    which fails under Inductor's fake mode; min-cut only rewrites the graph,
+    so a new graph over the same module is all it needs.
+    """
+    graph = fx.Graph()
+    output, output_node = graph.graph_copy(joint.graph, {}, return_output_node=True)
+    graph.output(output).meta = dict(output_node.meta)
+    return fx.GraphModule(joint, graph)
+
+
+def default_partition(joint: fx.GraphModule, joint_inputs: Sequence[object],
+                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule, set[str]]:
+    """Inductor's own min-cut partition of ``joint`` (left untouched) and its saved names."""
+    fw, bw = min_cut_rematerialization_partition(light_copy(joint), joint_inputs, **kwargs)
+    return fw, bw, saved_output_names(fw, kwargs["num_fwd_outputs"])
+
+
+#: What the recorder hands nodes it does not run (tangents and backward).
+_NOT_RUN = object()
+
+
+class _ForwardRecorder(fx.Interpreter):
+    """Runs the forward part of a joint graph once; keeps the values named in ``keep``.
+
+    The joint graph rather than the partitioned forward: a recompute region
+    may read a view that the default partition computes only in backward.
+    """
+
+    def __init__(self, joint: fx.GraphModule, keep: set[str], store: dict[str, Any]):
+        super().__init__(joint)
+        # A saved view's storage is what a recompute region may read instead
+        # (a BatchNorm's rsqrt behind its saved squeeze): keep it too.
+        nodes = {n.name: n for n in joint.graph.nodes}
+        self.keep = keep | {storage_root(nodes[k]).name for k in keep if k in nodes}
+        self.store = store
 
     def run_node(self, n: fx.Node) -> Any:
+        if n.op == "output" or is_backward(n) or any(self.env[a] is _NOT_RUN for a in n.all_input_nodes):
+            return _NOT_RUN
         out = super().run_node(n)
         # Views cost no memory and let a region read "another view of a saved value".
         is_view = isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
         if n.op == "placeholder" or n.name in self.keep or is_view:
             self.store[n.name] = out.detach() if isinstance(out, torch.Tensor) else out
         return out
+
+
+def _hint(dim: int | torch.SymInt) -> int:
+    """A size's value at this compile, read without adding a shape guard."""
+    return dim.node.hint if isinstance(dim, torch.SymInt) else int(dim)
+
+
+def _matches(fake: object, real: object) -> bool:
+    if isinstance(fake, torch.Tensor):
+        return (isinstance(real, torch.Tensor) and fake.dtype == real.dtype and fake.device == real.device
+                and [_hint(d) for d in fake.shape] == list(real.shape))
+    return not isinstance(real, torch.Tensor)
+
+
+def _stand_in(fake: object) -> object:
+    """A real value shaped like ``fake``: random floats, zeros for integers
+    (always a valid index), the hint of a symbolic int."""
+    if isinstance(fake, torch.Tensor):
+        shape = [_hint(d) for d in fake.shape]
+        if fake.is_floating_point():
+            return torch.randn(shape, dtype=fake.dtype, device=fake.device)
+        return torch.zeros(shape, dtype=fake.dtype, device=fake.device)
+    return _hint(fake) if isinstance(fake, torch.SymInt) else fake
+
+
+def primal_values(primals: Sequence[object], real_args: Sequence[object] | None) -> tuple[list[object], bool]:
+    """Real values for the joint graph's primal inputs, and whether they are stand-ins.
+
+    AOTAutograd's primals are the module's lifted parameters and buffers
+    followed by the dynamo graph's inputs, unless it deduplicated or merged
+    aliased inputs; then (or without ``real_args``) random stand-ins of the
+    right shapes are used, which time the same and only shift codec errors.
+    """
+    if real_args is not None and len(real_args) == len(primals) and all(map(_matches, primals, real_args)):
+        return [a.detach() if isinstance(a, torch.Tensor) else _hint(a) if isinstance(a, torch.SymInt) else a
+                for a in real_args], False
+    return [_stand_in(p) for p in primals], True
+
+
+def capture_joint(joint: fx.GraphModule, joint_inputs: Sequence[object], real_args: Sequence[object] | None,
+                  *, index: int = 0, record_values: bool = True, **kwargs: Any) -> GraphCapture:
+    """The default partition of ``joint`` and, with ``record_values``, its forward values."""
+    fw, bw, saved = default_partition(joint, joint_inputs, **kwargs)
+    capture = GraphCapture(index, joint, fw, bw, saved)
+    if record_values:
+        # The partitioner runs under Inductor's fake mode: real values need it off.
+        with unset_fake_temporarily(), torch.no_grad():
+            values, capture.synthetic_values = primal_values(joint_inputs[0], real_args)
+            tangents = [_NOT_RUN] * len(joint_inputs[1])
+            _ForwardRecorder(joint, saved, capture.values).run(*values, *tangents, enable_io_processing=False)
+    return capture
+
+
+class CaptureDone(Exception):
+    """Raised by ``RecordingPartitioner`` to stop a compile once the graph is captured."""
+
+
+class RecordingPartitioner(CustomPartitionerFn):
+    """Records the joint graph Inductor hands its partitioner, then stops the compile."""
+
+    def __init__(self, captures: list[GraphCapture], real_args: Sequence[object] | None, record_values: bool):
+        self.captures, self.real_args, self.record_values = captures, real_args, record_values
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        self.captures.append(capture_joint(joint, joint_inputs, self.real_args, index=len(self.captures),
+                                           record_values=self.record_values, **kwargs))
+        raise CaptureDone
+
+    def __deepcopy__(self, memo: dict) -> RecordingPartitioner:
+        # Inductor deep-copies its config to key caches; this holds fake tensors.
+        return self
+
+    def uuid(self) -> None:
+        return None  # never cache: the point is to run
+
+
+def lifted_args(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """What AOTAutograd calls the graph with: parameters and buffers it lifts
+    from ``gm`` (none when dynamo inlines modules), then the graph's inputs."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    buffers = dict(gm.named_buffers(remove_duplicate=False))
+    return [*params.values(), *buffers.values(), *example_inputs]
+
+
+def needs_backward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in lifted_args(gm, example_inputs))
+
+
+def capture_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], captures: list[GraphCapture],
+                          record_values: bool = True) -> None:
+    """Append ``gm``'s joint graph as Inductor's partitioner sees it to ``captures``.
+
+    ``gm`` itself is not changed (Inductor works on a copy) and no code is
+    generated: the compile stops inside the partitioner.
+    """
+    import copy
+
+    from torch._inductor.compile_fx import compile_fx
+
+    partitioner = RecordingPartitioner(captures, lifted_args(gm, example_inputs), record_values)
+    try:
+        compile_fx(copy.deepcopy(gm), list(example_inputs), config_patches={"custom_partitioner_fn": partitioner})
+    except CaptureDone:
+        return
+    raise RuntimeError("Inductor compiled the graph without partitioning it: it has no backward pass")
 
 
 def inductor_partition(recorder: Callable) -> Callable:
@@ -78,40 +233,25 @@ def inductor_partition(recorder: Callable) -> Callable:
     return recorder
 
 
-def _recording_backend(captures: list[GraphCapture], record_values: bool, joint_passes: bool = True) -> Callable:
+def _meta_backend(captures: list[GraphCapture]) -> Callable:
+    """An AOTAutograd backend that records joint graphs of a meta-device model.
+
+    Inductor's joint passes fold a meta graph away (every value is
+    "uninitialised" there), so only its decompositions are used; nothing runs.
+    """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
     def partition(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
-        saved = saved_output_names(fw, kwargs["num_fwd_outputs"])
-        captures.append(GraphCapture(len(captures), joint, fw, bw, saved))
-        return fw, bw
+        # Values: meta stand-ins of the inputs, enough for roofline costs.
+        capture = capture_joint(joint, joint_inputs, None, index=len(captures), record_values=True,
+                                compiler="inductor", **kwargs)
+        captures.append(capture)
+        return capture.fw, capture.bw
 
-    def fw_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
-        capture = captures[-1]
-
-        def run(*args: Any) -> Any:
-            if record_values and not capture.values:
-                return _ValueRecorder(gm, capture.saved_names, capture.values).run(*args)
-            return gm(*args)
-
-        # AOTAutograd calls compiled graphs with one list of arguments.
-        return make_boxed_func(run)
-
-    def bw_compiler(gm: fx.GraphModule, example_inputs: Sequence[object]):
-        return make_boxed_func(gm)
-
-    return aot_autograd(
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-        # Inductor's joint passes fold a meta-device graph away (every value is
-        # "uninitialised" there), so models on meta skip them.
-        partition_fn=inductor_partition(partition) if joint_passes else partition,
-        decompositions=select_decomp_table(),
-    )
+    return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g), bw_compiler=lambda g, _: make_boxed_func(g),
+                        partition_fn=partition, decompositions=select_decomp_table())
 
 
 def check_trainable(model: torch.nn.Module, example_inputs: Sequence[Any]) -> None:
@@ -132,40 +272,44 @@ def check_trainable(model: torch.nn.Module, example_inputs: Sequence[Any]) -> No
 def capture_joint_graphs(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     dynamic: bool = True,
     record_values: bool = True,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> list[GraphCapture]:
-    """Compile ``model`` with a recording backend, run forward+loss+backward once.
+    """Compile ``model`` far enough to capture each graph's joint graph; run it eagerly.
 
-    With ``dynamic``, dimensions 0 and 1 of the first input (batch, sequence)
-    are marked dynamic so saved sizes come out as symbolic expressions.
+    ``model`` is called as ``model(*example_inputs, **example_kwargs)``. With
+    ``dynamic``, dimensions 0 and 1 of the first tensor input (batch,
+    sequence) are marked dynamic so saved sizes come out as symbolic
+    expressions. The joint graph does not depend on the loss: ``loss_fn`` is
+    accepted for callers that pass one and is not run.
     """
-    check_trainable(model, example_inputs)
+    kwargs = dict(example_kwargs or {})
+    check_trainable(model, [*example_inputs, *kwargs.values()])
     captures: list[GraphCapture] = []
     if dynamic:
         # mark_dynamic sticks to the tensor: mark a copy, not the caller's.
-        first = example_inputs[0].clone()
-        for dim in range(min(2, first.dim())):
-            torch._dynamo.mark_dynamic(first, dim)
-        example_inputs = [first, *example_inputs[1:]]
+        example_inputs, kwargs = _mark_first_dynamic(list(example_inputs), kwargs)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
-    on_meta = any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs)
-    backend = _recording_backend(captures, record_values, joint_passes=not on_meta)
+    on_meta = any(isinstance(x, torch.Tensor) and x.device.type == "meta"
+                  for x in [*example_inputs, *kwargs.values()])
+
+    def recording_backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+        if needs_backward(gm, inputs):
+            capture_with_inductor(gm, inputs, captures, record_values)
+        return gm.forward
+
+    backend = _meta_backend(captures) if on_meta else recording_backend
+
     # Compile a wrapper, not the model: dynamo remembers per code object
     # which dims it saw dynamic, and a later torch.compile(model) would
     # otherwise start dynamic too.
-    def traced(*args: Any) -> Any:
-        return model(*args)
+    def traced(*args: Any, **kw: Any) -> Any:
+        return model(*args, **kw)
 
-    compiled = torch.compile(traced, backend=backend)
-    # The traced backward must leave no trace: restore the caller's grads.
-    grads = {p: p.grad for p in model.parameters()}
-    out = compiled(*example_inputs)
-    loss_fn(out).backward()
-    for param, grad in grads.items():
-        param.grad = grad
+    torch.compile(traced, backend=backend)(*example_inputs, **kwargs)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
     if breaks or len(captures) > 1:
         reasons = list(torch._dynamo.utils.counters["graph_break"])[-max(breaks, 1):]
@@ -179,17 +323,21 @@ def capture_joint_graphs(
     return captures
 
 
-def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphCapture:
-    """Capture one dynamo graph inside a backend (no nested torch.compile).
+def _mark_first_dynamic(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Copies of the inputs whose first tensor has its first two dims dynamic."""
+    for container, key in [*((args, i) for i in range(len(args))), *((kwargs, k) for k in kwargs)]:
+        value = container[key]
+        if isinstance(value, torch.Tensor):
+            first = value.clone()
+            for dim in range(min(2, first.dim())):
+                torch._dynamo.mark_dynamic(first, dim)
+            container[key] = first
+            break
+    return args, kwargs
 
-    The partition happens when the forward is compiled and the values are
-    recorded by the forward run, so no backward is run here (running one
-    inside dynamo's compile would also clash with its compile metrics).
-    """
+
+def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphCapture:
+    """Capture one dynamo graph inside a backend, as Inductor would partition it."""
     captures: list[GraphCapture] = []
-    compiled = _recording_backend(captures, record_values=True)(gm, list(example_inputs))
-    with torch.enable_grad():
-        compiled(*example_inputs)
-    if not captures:
-        raise RuntimeError("the graph has no backward pass: nothing to plan")
+    capture_with_inductor(gm, example_inputs, captures)
     return captures[0]

@@ -1,10 +1,7 @@
-"""Partition: min-cut of a joint graph, with and without a plan applied.
+"""Partition: min-cut of a joint graph after a plan's decisions are applied.
 
-``default_saved_names`` learns what Inductor's own min-cut partition saves
-(the saved activations that become recovery units); ``partition_with_decisions``
-tags the joint graph as a plan says and lets min-cut partition it. Both the
-backend's partitioner and calibration call these, so a pass never reaches
-into the backend.
+The backend's partitioner and calibration both call ``partition_with_decisions``,
+so a pass never reaches into the backend.
 """
 
 from __future__ import annotations
@@ -18,27 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .annotate import UnitNodes, annotate_units
 from .apply import apply_decisions
-from .capture import saved_output_names
-
-
-def light_copy(joint: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``joint``'s graph that shares its module and constants.
-
-    ``copy.deepcopy`` would copy the tensor constants a joint graph holds
-    (Hugging Face cache code leaves real ``_tensor_constant`` tensors there),
-    which fails under Inductor's fake mode; min-cut only rewrites the graph,
-    so a new graph over the same module is all it needs.
-    """
-    graph = fx.Graph()
-    output, output_node = graph.graph_copy(joint.graph, {}, return_output_node=True)
-    graph.output(output).meta = dict(output_node.meta)
-    return fx.GraphModule(joint, graph)
-
-
-def default_saved_names(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> set[str]:
-    """Names of the forward values Inductor's default min-cut saves for backward."""
-    fw, _ = min_cut_rematerialization_partition(light_copy(joint), joint_inputs, **kwargs)
-    return saved_output_names(fw, kwargs["num_fwd_outputs"])
+from .capture import default_partition
 
 
 @dataclass(slots=True)
@@ -54,15 +31,16 @@ class Partition:
 
 def partition_with_decisions(joint: fx.GraphModule, joint_inputs: Sequence[object],
                              decisions: Mapping[str, str], *, saved_names: set[str] | None = None,
-                             prefix: str = "", **kwargs: Any) -> Partition:
+                             **kwargs: Any) -> Partition:
     """Annotate ``joint``'s recovery units, apply ``decisions``, min-cut it.
 
-    Units without a decision keep Inductor's own choice; callers decide what a
-    mismatch means before calling (see ``apply.match_decisions``).
+    ``saved_names``: the default partition's saved values when the caller
+    knows them already (they define the units); otherwise min-cut runs once
+    more on a light copy to learn them.
     """
     if saved_names is None:
-        saved_names = default_saved_names(joint, joint_inputs, **kwargs)
-    units = annotate_units(joint, saved_names, prefix)
+        saved_names = default_partition(joint, joint_inputs, **kwargs)[2]
+    units = annotate_units(joint, saved_names)
     counts = apply_decisions(joint, units, decisions)
     fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     return Partition(fw, bw, units, counts)

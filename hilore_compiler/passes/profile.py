@@ -62,13 +62,21 @@ def region_graph(unit: UnitNodes) -> tuple[fx.GraphModule, list[str]]:
     return fx.GraphModule(torch.nn.Module(), graph), inputs
 
 
+def _synchronize() -> None:
+    # GPU kernels run asynchronously: a wall-clock sample must wait for them.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_seconds(fn: Callable[[], Any], config: ProfileConfig) -> float:
     for _ in range(config.warmup):
         fn()
     samples = []
     for _ in range(config.repeats):
+        _synchronize()
         start = time.perf_counter()
         fn()
+        _synchronize()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -185,15 +193,19 @@ def _materialized(node: fx.Node, unit: UnitNodes) -> bool:
     return node not in unit.saved and isinstance(node.meta.get("val"), torch.Tensor) and not is_view
 
 
-def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> RecoveryUnit:
-    """Measure (or estimate) every option's cost for one recovery unit."""
+def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig,
+                 *, run: bool = True) -> RecoveryUnit:
+    """Measure (or estimate) every option's cost for one recovery unit.
+
+    ``run=False`` measures nothing: sizes only, for a unit that can only be stored.
+    """
     size = total_nbytes(unit.saved, symbols)
     # Workspace: the largest single intermediate. Inductor fuses the
     # pointwise chains of a region, so its intermediates are not all alive at
     # once; summing them would overstate what recomputation holds.
     transient = largest((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
                         config.batch, config.seq_len)
-    seconds, flops, source = _recompute_cost(unit, values, config)
+    seconds, flops, source = _recompute_cost(unit, values, config) if run else (0.0, 0, "not measured")
     float_saved = all(n.meta["val"].is_floating_point() for n in unit.saved)
     codecs = {
         name: _codec_cost(name, unit, values, symbols, config)

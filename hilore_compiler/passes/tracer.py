@@ -6,10 +6,11 @@ builds, annotate its saved activations as recovery units, profile each unit.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ class TraceConfig:
     model_name: str = "model"
     #: Print progress to stderr.
     verbose: bool = True
+    #: Trace with the batch and sequence dims symbolic (sizes as expressions
+    #: of B and S, plannable at any shape). False traces the exact graph a
+    #: ``dynamic=False`` compile at this shape makes.
+    dynamic: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -99,18 +104,24 @@ def trace(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     config: TraceConfig = TraceConfig(),
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> Trace:
     """Profile ``model`` on ``example_inputs`` into a ``Trace``.
 
-    The first input must be the (batch, sequence) token ids: its two
-    dimensions become the symbols ``B`` and ``S`` of every size in the trace.
-    ``loss_fn`` maps the model's output to a scalar (default: mean square).
+    ``model`` is called as ``model(*example_inputs, **example_kwargs)``. The
+    first two dimensions of the first tensor input (token ids, or hidden
+    states for a single block) become the symbols ``B`` and ``S`` of every size in
+    the trace. The joint graph does not depend on the loss, so ``loss_fn`` is
+    not needed (accepted for callers that pass one).
     """
     say = _progress(config)
     start = time.perf_counter()
-    captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss)
+    captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss, dynamic=config.dynamic,
+                                    example_kwargs=example_kwargs)
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
-    batch, seq_len = example_inputs[0].shape[:2]
+    first = next(x for x in [*example_inputs, *(example_kwargs or {}).values()] if isinstance(x, torch.Tensor))
+    shape = tuple(first.shape)
+    batch, seq_len = (shape + (1, 1))[:2]
     result = trace_captures(captures, int(batch), int(seq_len), config)
     say(f"{len(result.units)} recovery units, done in {time.perf_counter() - start:.1f}s")
     return result
@@ -131,7 +142,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         step = max(1, len(graph_units) // 10)
         profiled = []
         for i, unit in enumerate(graph_units):
-            profiled.append(profile_unit(unit, capture.values, symbols, profile_config))
+            profiled.append(_profile(unit, capture.values, symbols, profile_config))
             if (i + 1) % step == 0 or i + 1 == len(graph_units):
                 say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
         units += profiled
@@ -151,8 +162,27 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         num_layers=len({u.layer for u in units if u.layer is not None}),
         torch_version=torch.__version__,
         graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),
-        notes=config.notes,
+        notes=config.notes + _value_notes(captures),
     )
+
+
+def _value_notes(captures: Sequence[GraphCapture]) -> tuple[str, ...]:
+    synthetic = [c.index for c in captures if c.synthetic_values and c.values]
+    if not synthetic:
+        return ()
+    return (f"graph(s) {synthetic}: inputs could not be matched to the joint graph's; costs and codec "
+            "errors were measured on random inputs of the same shapes",)
+
+
+def _profile(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> RecoveryUnit:
+    """``profile_unit``, or a unit pinned to ``store`` when its region cannot be re-run
+    here (the reason is kept in the trace): one odd op never stops a trace."""
+    try:
+        return profile_unit(unit, values, symbols, config)
+    except Exception as error:  # the unit is kept, exactly as Inductor would keep it
+        pinned = dataclasses.replace(unit, recomputable=False,
+                                     not_recomputable_reason=f"profiling failed: {type(error).__name__}: {error}")
+        return profile_unit(pinned, values, symbols, dataclasses.replace(config, codecs=()), run=False)
 
 
 def _device_of(captures: Sequence[GraphCapture]) -> str:

@@ -1,0 +1,99 @@
+"""The on-disk cache of zero-config plans and traces, which heals itself.
+
+A cache that cannot be written is skipped (the plan is still made and used)
+and a cached file that cannot be read is moved aside and made anew; either
+is said once. The cache never stops a compile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..jsonio import FormatError
+from ..planfile import Plan, load_plan
+from ..tracefile import Trace
+
+if TYPE_CHECKING:
+    from .options import BackendOptions
+
+
+def default_cache_dir() -> str:
+    """``$HILORE_CACHE_DIR``, or ``~/.cache/hilore`` when unset or empty."""
+    return os.environ.get("HILORE_CACHE_DIR") or str(Path.home() / ".cache" / "hilore")
+
+
+def _warn(message: str) -> None:
+    from .planning import HiLoReWarning
+
+    warnings.warn(f"hilore: {message}", HiLoReWarning, stacklevel=4)
+
+
+@dataclass(slots=True)
+class PlanCache:
+    """The plan and trace files of one cache key; ``folder`` None when unwritable."""
+
+    folder: Path | None
+    key: str
+    options: BackendOptions
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike, key: str, options: BackendOptions) -> PlanCache:
+        folder = Path(cache_dir or default_cache_dir()).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(f"{folder} is not writable")
+        except OSError as error:
+            _warn(f"cannot use the plan cache {folder} ({error}); planning without a cache "
+                  "(set options={'cache_dir': ...} or HILORE_CACHE_DIR to a writable folder)")
+            return cls(None, key, options)
+        return cls(folder, key, options)
+
+    @property
+    def plan_path(self) -> Path | None:
+        return self.folder / f"{self.key}.plan.json" if self.folder else None
+
+    @property
+    def trace_path(self) -> Path | None:
+        return self.folder / f"{self.key}.trace.json" if self.folder else None
+
+    def load_plan(self) -> Plan | None:
+        """The cached plan, or None; an unreadable one is moved aside."""
+        path = self.plan_path
+        if path is None or not path.exists():
+            return None
+        try:
+            plan = load_plan(path)
+        except (FormatError, OSError, ValueError) as error:
+            aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+            try:
+                path.replace(aside)
+                _warn(f"the cached plan {path} is unreadable ({error}); moved it to {aside} and re-planning")
+            except OSError:
+                _warn(f"the cached plan {path} is unreadable ({error}); re-planning")
+            return None
+        from .planning import say
+
+        say(self.options, f"using cached plan {path}")
+        return plan
+
+    def save_plan(self, plan: Plan) -> Path | None:
+        return self._save(plan, self.plan_path)
+
+    def save_trace(self, trace: Trace) -> Path | None:
+        return self._save(trace, self.trace_path)
+
+    def _save(self, record: Plan | Trace, path: Path | None) -> Path | None:
+        if path is None:
+            return None
+        try:
+            return record.save(path)
+        except OSError as error:
+            _warn(f"could not write {path} ({error}); continuing without caching it")
+            self.folder = None
+            return None

@@ -105,10 +105,14 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     """A running worker and the pipe to it; its stderr goes to ``log_path``."""
 
-    def __init__(self, config: WorkerConfig, *, env: dict[str, str], log_path: Path) -> None:
+    #: The module run as the worker (``python -m MODULE '<config JSON>'``).
+    MODULE = "hilore_compiler.bench.worker"
+
+    def __init__(self, config: WorkerConfig | dict[str, Any], *, env: dict[str, str], log_path: Path) -> None:
         self.config, self.log_path = config, log_path
         self._log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "hilore_compiler.bench.worker", config.to_json()]
+        text = config.to_json() if isinstance(config, WorkerConfig) else json.dumps(config)
+        cmd = [sys.executable, "-m", self.MODULE, text]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, env=env, text=True)
 

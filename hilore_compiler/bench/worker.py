@@ -161,7 +161,7 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat(parts).float()
 
 
-def _handle(worker: Worker, request: dict[str, Any]) -> dict[str, Any]:
+def _handle(worker: Any, request: dict[str, Any]) -> dict[str, Any]:
     if request["cmd"] == "setup":
         return worker.setup()
     if request["cmd"] == "measure":
@@ -171,13 +171,18 @@ def _handle(worker: Worker, request: dict[str, Any]) -> dict[str, Any]:
 
 def serve(config: WorkerConfig, commands: TextIO, answers: TextIO) -> None:
     """Answer commands until ``exit`` or end of input; errors are answers, not crashes."""
-    worker: Worker | None = None
+    serve_requests(lambda: Worker(config), commands, answers)
+
+
+def serve_requests(make: Callable[[], Any], commands: TextIO, answers: TextIO) -> None:
+    """``serve`` for any worker with ``setup()`` and ``measure(steps)``, made on the first command."""
+    worker = None
     for line in commands:
         request = json.loads(line)
         if request["cmd"] == "exit":
             return
         try:
-            worker = worker or Worker(config)
+            worker = worker or make()
             reply = {"ok": True, **_handle(worker, request)}
         except Exception as e:  # the runner records the failure and goes on with other methods
             traceback.print_exc()

@@ -47,12 +47,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", help="persistent Inductor and hilore caches, shared by later runs "
                                        "(default: fresh per run; clear it after changing hilore, whose "
                                        "cached plans are keyed by graph and options, not by its code)")
-    p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json)")
+    p.add_argument("--actor-update", action="store_true",
+                   help="run the whole bucketed GRPO actor update on a realistic batch (groups of 8, "
+                        "binary rewards, zero-variance groups, second-iteration clipping): GC, HiLoRe "
+                        "exposure-blind, with buckets, and with the zero skip (bench/actor.py); "
+                        "--model, --seq-len, --repeats, --threads, --hilore-budget apply")
+    p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
+    p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
+    p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
+                                          "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
                    help="FSDP2 across this many processes (gloo on CPU, nccl on GPUs): GC, store-all "
                         "and HiLoRe compiled per block; --batch is then per rank "
                         "(see hilore_compiler/bench/distributed.py)")
     p.set_defaults(run=run)
+
+
+def actor_config_from_args(args: argparse.Namespace):
+    """ActorBenchConfig from its defaults and the options that apply to it."""
+    from ..bench.actor import ActorBenchConfig
+
+    names = {"model": "model", "seq_len": "seq_len", "repeats": "repeats", "threads": "threads",
+             "hilore_budget": "budget", "loss_type": "loss_type", "risk_budget": "risk_budget",
+             "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round"}
+    values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
+    return ActorBenchConfig(**values)
+
+
+def run_actor(args: argparse.Namespace) -> int:
+    """``--actor-update``: run, print the table, save the JSON."""
+    from ..bench.actor import run_actor_bench
+    from ..bench.actor_report import format_table
+    from ..jsonio import write_json_atomic
+
+    config = actor_config_from_args(args)
+    name = f"actor-update-{config.model}-T{config.seq_len}-{config.loss_type}.json"
+    output = Path(args.output or RESULTS_DIR / name)
+    report = run_actor_bench(config, _progress)
+    report["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(format_table(report))
+    print(f"results: {write_json_atomic(output, report)}")
+    return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
 
 
 def config_from_args(args: argparse.Namespace):
@@ -81,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.distributed import run_command
 
         return run_command(args)
+    if args.actor_update:
+        return run_actor(args)
     config = config_from_args(args)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")
     result = run_bench(config, _progress)

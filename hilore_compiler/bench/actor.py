@@ -1,0 +1,211 @@
+"""``hilore bench --actor-update``: the whole bucketed actor update on a realistic GRPO batch.
+
+Where ``hilore bench`` times one forward/backward of a fixed batch in one
+bucket, this runs ``grpo.actor_update`` end to end on a batch shaped like a
+real GRPO step, so that bucketing and the zero-exposure skip are measured:
+
+- groups of ``group_size`` samples with binary rewards; each prompt is solved
+  with a probability drawn uniformly from [0, 1] (a 50% solve rate on
+  average), so some groups are all right or all wrong, with zero reward
+  variance, zero advantage and zero exposure;
+- responses of varying length after a fixed prompt (masks differ);
+- a second optimizer iteration on the batch: ``old_logprobs`` are the current
+  policy's log-probs shifted by N(0, ``ratio_spread``) per token, so ratios
+  spread around 1 and tokens are clipped (and dual-clipped) as they would be;
+  buckets then come from the off-policy bound (``UpdateConfig.on_policy=False``);
+- the ``dapo`` or ``grpo`` normalisation (``loss_type``).
+
+Methods (each in its own worker process, measured in alternating rounds as
+``runner.py`` does): ``store-all`` (the exact reference), ``gc``,
+``hilore-blind`` (one plan for every sample: the same memory and error budget,
+solved as if one bucket held the whole update), ``hilore-buckets`` (the joint
+per-bucket plan for this batch's exposure mix) and ``hilore-skip`` (the same
+plan, zero-exposure samples skip forward and backward). The plans are solved
+once, in the driver, from one trace of the policy at the microbatch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..grpo import GRPOConfig, RolloutBatch, group_advantages
+from ..grpo.coefficients import exposure_bound_before_forward
+from ..vocabulary import to_plan_exposure
+from .runner import MethodRun, Progress, WorkerError, WorkerProcess, compare_grads, describe, measure_rounds
+
+#: Methods in set-up order; ``store-all`` first: it is the gradient reference.
+ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
+LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)",
+          "hilore-blind": "HiLoRe, one plan (exposure-blind)", "hilore-buckets": "HiLoRe, buckets",
+          "hilore-skip": "HiLoRe, buckets + zero skip"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActorBenchConfig:
+    """What ``hilore bench --actor-update`` runs; the defaults fit 2 CPU cores in minutes."""
+
+    model: str = "small"
+    #: Prompt + response tokens per sample.
+    seq_len: int = 512
+    prompt_len: int = 64
+    #: Groups (prompts) x samples per group = the batch.
+    groups: int = 8
+    group_size: int = 8
+    #: Rows per forward/backward; the plans are solved at (microbatch, seq_len).
+    microbatch: int = 2
+    #: ``dapo`` (token sum over the generation batch) or ``grpo`` (per-sequence mean).
+    loss_type: str = "dapo"
+    #: Std of log(old / current) per token: how far the second iteration moved.
+    ratio_spread: float = 0.3
+    #: verl's dual clip c: bounds negative-advantage coefficients off-policy.
+    dual_clip_c: float = 3.0
+    budget: str = "1.10x-gc"
+    #: The update's error budget (``solver.risk``): default cos >= 0.999.
+    risk_budget: str = "cos>=0.999"
+    buckets: int = 3
+    methods: tuple[str, ...] = ACTOR_METHODS
+    repeats: int = 3
+    #: Updates per method per round, and right after compiling.
+    steps_per_round: int = 1
+    warmup: int = 1
+    seed: int = 0
+    threads: int | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in ACTOR_METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(ACTOR_METHODS)}")
+        if not 0 < self.prompt_len < self.seq_len - 1 or self.microbatch < 1 or self.groups < 1:
+            raise ValueError("need 0 < prompt_len < seq_len - 1, microbatch >= 1 and groups >= 1")
+        if self.loss_type not in ("dapo", "grpo"):
+            raise ValueError(f"loss_type must be dapo or grpo, got {self.loss_type!r}")
+
+
+def loss_config(config: ActorBenchConfig) -> GRPOConfig:
+    """The GRPO loss of the bench: DAPO's clip-higher, verl's dual clip."""
+    return GRPOConfig(loss_type=config.loss_type, eps_low=0.2, eps_high=0.28, dual_clip_c=config.dual_clip_c)
+
+
+def make_batch(policy: torch.nn.Module, config: ActorBenchConfig) -> RolloutBatch:
+    """The GRPO batch of the module docstring, from its own seeded generator."""
+    g = torch.Generator().manual_seed(config.seed + 1)
+    n, t, vocab = config.groups * config.group_size, config.seq_len, policy.config.vocab_size
+    ids = torch.randint(vocab, (n, t), generator=g)  # (B, T)
+    solve = torch.rand(config.groups, generator=g).repeat_interleave(config.group_size)  # (B,)
+    rewards = (torch.rand(n, generator=g) < solve).float()  # (B,) binary
+    lengths = torch.randint((t - config.prompt_len) // 2, t - config.prompt_len, (n,), generator=g)
+    pos = torch.arange(1, t)  # (T-1,) position of the predicted token
+    mask = ((pos >= config.prompt_len) & (pos < config.prompt_len + lengths.unsqueeze(1))).float()
+    with torch.no_grad():
+        from ..models import token_logprobs
+
+        current = torch.cat([token_logprobs(policy(ids[i:i + 1]), ids[i:i + 1]) for i in range(n)])
+    old = current - config.ratio_spread * torch.randn(current.shape, generator=g)  # (B, T-1)
+    groups = torch.arange(config.groups).repeat_interleave(config.group_size)
+    return RolloutBatch(input_ids=ids, response_mask=mask, old_logprobs=old, rewards=rewards,
+                        group_ids=groups, advantages=group_advantages(rewards, groups))
+
+
+def batch_exposures(batch: RolloutBatch, config: ActorBenchConfig) -> list[float]:
+    """Plan exposures of the batch as the update buckets them (the off-policy bound),
+    infinite ones clipped to the largest finite one: the mix the plans are solved for."""
+    n = batch.input_ids.shape[0]
+    bound = exposure_bound_before_forward(batch.advantages, batch.response_mask, loss_config(config),
+                                          on_policy=False, num_sequences=n,
+                                          num_tokens=float(batch.response_mask.sum()))
+    finite = [float(x) for x in bound if math.isfinite(float(x))]
+    top = max(finite, default=1.0)
+    return [to_plan_exposure(min(float(x), top), n) for x in bound]
+
+
+def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Trace the policy at the microbatch shape and solve the bucketed and the blind plan."""
+    from ..evaluation.arms import trace_policy
+    from ..models import build_model
+    from ..solver import predicted_error, solve
+    from ..solver.fixed import exposure_blind_plan
+
+    policy = build_model(config.model, seed=config.seed)
+    progress(f"tracing {config.model} at ({config.microbatch}, {config.seq_len})")
+    trace = trace_policy(policy, config.microbatch, config.seq_len)
+    mix = batch_exposures(make_batch(policy, config), config)
+    common = dict(risk_budget=config.risk_budget, buckets=config.buckets, codecs=["bf16", "int8"],
+                  exposure_mix=mix)
+    plans = {"buckets": solve(trace, config.budget, **common),
+             "blind": exposure_blind_plan(trace, config.budget, **common)}
+    paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}
+    info = {name: {"predicted_error": predicted_error(p), "budget_bytes": p.budget_bytes,
+                   "distinct_plans": len({b.decisions for b in p.buckets if not b.skip}),
+                   "buckets": {b.bucket.name: {"samples": b.sample_share, "mass": b.mass_share,
+                                               "risk": b.risk, "time_s": b.time_s,
+                                               "memory_bytes": b.memory_bytes}
+                               for b in p.buckets}}
+            for name, p in plans.items()}
+    progress("plans: " + "; ".join(f"{n} predicted error {i['predicted_error']:.2e}, "
+                                   f"{i['distinct_plans']} distinct" for n, i in info.items()))
+    return {"paths": paths, "info": info, "mix": mix}
+
+
+class ActorWorkerProcess(WorkerProcess):
+    """A worker of ``actor_worker.py`` (same pipe protocol as the step bench's)."""
+
+    MODULE = "hilore_compiler.bench.actor_worker"
+
+
+def start(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path, env: dict[str, str],
+          progress: Progress) -> MethodRun:
+    """Spawn, compile and warm up ``method``'s worker; failures are recorded, not raised."""
+    grad_path = str(run_dir / f"grad-{method}.pt")
+    payload = {"config": dataclasses.asdict(config), "method": method, "plans": plans, "grad_path": grad_path}
+    run = MethodRun(method=method, grad_path=grad_path)
+    progress(f"{method}: compiling and warming up")
+    try:
+        run.worker = ActorWorkerProcess(payload, env=env, log_path=run_dir / f"{method}.log")
+        reply = run.worker.request("setup")
+    except WorkerError as e:
+        run.fail(e, progress)
+        return run
+    from .measure import StepSample
+
+    run.compile_s, run.info = reply["compile_s"], reply["info"]
+    run.warmup = [StepSample(**s) for s in reply["warmup"]]
+    progress(f"{method}: set up in {run.compile_s:.1f} s; warm-up {describe(run.warmup)}")
+    return run
+
+
+def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
+    """Solve the plans, set up every method, measure in rounds; returns the report payload."""
+    import os
+
+    from .actor_report import summarise
+    from .measure import MMAP_THRESHOLD_ENV
+
+    run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"), **MMAP_THRESHOLD_ENV}
+    plans = solve_plans(config, run_dir, progress)
+    runs: dict[str, MethodRun] = {}
+    try:
+        for method in (m for m in ACTOR_METHODS if m in config.methods):
+            runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
+        measure_rounds(list(runs.values()), config, progress)
+    finally:
+        for run in runs.values():
+            if run.worker is not None:
+                run.worker.close()
+                run.worker = None
+    compare_grads(runs)
+    failed = any(r.status != "ok" for r in runs.values())
+    report = summarise(config, runs, plans)
+    report["run_dir"] = str(run_dir) if failed else None
+    if not failed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return report

@@ -1,0 +1,108 @@
+"""One worker of ``hilore bench --actor-update``: one method, the whole actor update per step.
+
+Run as ``python -m hilore_compiler.bench.actor_worker '<JSON>'`` with the
+driver's config, the method, the plan paths and where to save the gradient;
+it speaks the step bench's pipe protocol (``worker.py``: ``setup``,
+``measure``, ``exit``). Every forward runs at the plans' microbatch shape
+(``evaluation.arms.FixedBatch`` pads short microbatches), for every method
+alike, so no method recompiles and the padding costs all of them the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..evaluation.arms import FixedBatch
+from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
+from ..models import build_model
+from ..planfile import load_plan
+from .actor import ActorBenchConfig, loss_config, make_batch
+from .measure import StepSample, measure_step
+from .methods import wrap_layers
+from .worker import flat_grad, serve_requests
+
+
+class ActorWorker:
+    """Model, batch, compiled method and the update it runs."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.config = ActorBenchConfig(**{**payload["config"], "methods": tuple(payload["config"]["methods"])})
+        self.method, self.grad_path = payload["method"], payload["grad_path"]
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+        self.model = build_model(self.config.model, seed=self.config.seed)
+        self.batch = make_batch(self.model, self.config)
+        self.loss = loss_config(self.config)
+        self.compiled, self.buckets, self.plan = self._prepare(payload["plans"])
+        n = 1 if self.buckets is None else self.buckets.n_buckets
+        self.update = UpdateConfig(microbatch_size=self.config.microbatch, n_buckets=n,
+                                   skip_zero=self.method == "hilore-skip", on_policy=False,
+                                   across_ranks=False)
+        self.last = None
+
+    def _prepare(self, plans: dict[str, str]) -> tuple[torch.nn.Module, ExposureBuckets | None, Any]:
+        """The compiled policy at the microbatch shape, the buckets it runs and its plan."""
+        micro = self.config.microbatch
+        if self.method == "store-all":
+            return FixedBatch(torch.compile(self.model, dynamic=False), micro), None, None
+        if self.method == "gc":
+            return FixedBatch(torch.compile(wrap_layers(self.model), dynamic=False), micro), None, None
+        from ..backend import HiLoReBackend
+
+        plan = load_plan(plans["blind" if self.method == "hilore-blind" else "buckets"])
+        backend = HiLoReBackend({"plan": plan, "codecs": ("bf16", "int8"), "verbose": False,
+                                 "cache_dir": os.path.dirname(self.grad_path)})
+        compiled = torch.compile(self.model, backend=backend, dynamic=False)
+        n = self.batch.input_ids.shape[0]
+        return FixedBatch(compiled, micro), plan_buckets(plan, n), plan
+
+    def step(self) -> None:
+        # Gradients start as None, as after optimizer.zero_grad(set_to_none=True).
+        self.model.zero_grad(set_to_none=True)
+        self.last = actor_update(self.compiled, None, self.batch, self.loss, update=self.update,
+                                 buckets=self.buckets)
+
+    def measure(self, steps: int) -> list[StepSample]:
+        return [measure_step(self.step, "cpu") for _ in range(steps)]
+
+    def setup(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        self.step()  # compiles every variant the update meets
+        compile_s = time.perf_counter() - start
+        warmup = self.measure(self.config.warmup)
+        self.step()
+        torch.save(flat_grad(self.model).cpu(), self.grad_path)
+        return {"compile_s": compile_s, "warmup": [dataclasses.asdict(s) for s in warmup],
+                "info": self.info()}
+
+    def info(self) -> dict[str, Any]:
+        """What the last update did: samples per bucket, skips, microbatches, understated exposures."""
+        r = self.last
+        understated = sum(exact > r.buckets.upper(name) * (1 + 1e-9) + 1e-15
+                          for name, exact in zip(r.sample_buckets, r.exposure_before_backward)
+                          if name != "zero")
+        return {"samples_per_bucket": dict(r.samples_per_bucket), "samples_skipped": r.samples_skipped,
+                "microbatches": r.microbatches, "exposure_understated": int(understated),
+                "threads": torch.get_num_threads(), "tokens": int(self.batch.input_ids.numel())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    payload = json.loads(argv[0])
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints go to the worker's log, not into the protocol
+    with contextlib.suppress(BrokenPipeError):
+        serve_requests(lambda: ActorWorker(payload), sys.stdin, answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, help="paired seeds (default 8; quick 2)")
     p.add_argument("--steps", type=int, help="GRPO steps per run (default 300; quick 40)")
     p.add_argument("--budget", help="the tight memory budget training runs at (default 0.75x-gc)")
-    p.add_argument("--risk-budget", type=float,
-                   help="risk budget of the plans (default: int8 everywhere's risk at the middle bucket)")
+    p.add_argument("--risk-budget",
+                   help="error budget of the plans: the update's squared relative gradient error, or "
+                        "cos>=0.999 (default: half of int8-everywhere's, so that it binds)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
     p.add_argument("-o", "--output", help="results JSON (default bench/results/eval-<time>.json)")
     p.set_defaults(run=run)

@@ -5,7 +5,10 @@ An arm's model is what ``actor_update`` calls. ``exact`` is the eager policy
 ``torch.compile(policy, backend=HiLoReBackend({"plan": plan}))``:
 
 - ``hilore``: the solver's exposure-conditioned plan at a memory budget;
-- ``blind-int8``: the control, exposure-blind: every recovery unit int8 can
+- ``hilore-blind``: the control for exposure conditioning: the same memory
+  and error budget, solved as if one bucket held the whole update, the same
+  decisions in every bucket (``solver.fixed.exposure_blind_plan``);
+- ``blind-int8``: exposure- and cost-blind: every recovery unit int8 can
   encode is ``compress:int8`` in every bucket, the rest ``store``;
 - ``store-all``: every unit stored; through the same backend, so it measures
   what Inductor's own rounding costs (the floor of any compiled arm).
@@ -17,7 +20,6 @@ is solved from that one trace: tracing profiles each unit and is the slow part.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backend import HiLoReBackend
-from ..planfile import COMPRESS_PREFIX, RECOMPUTE, STORE, BucketPlan, Plan
+from ..planfile import RECOMPUTE, STORE, BucketPlan, Plan
 from ..tracefile import Trace
 
 #: Codecs the plans may use (fp8 is slow to emulate on CPU and adds nothing here).
@@ -99,37 +101,29 @@ def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = 
     return traces[0]
 
 
-def solve_plan(trace: Trace, budget: str, *, risk_budget: float | None, buckets: int) -> Plan:
+def solve_plan(trace: Trace, budget: str, *, risk_budget: float | str | None, buckets: int) -> Plan:
     """The hilore plan at ``budget``; raises ``InfeasibleBudgetError`` if none fits."""
-    from ..solver import DEFAULT_RISK_BUDGET, solve
+    from ..solver import solve
 
-    risk = DEFAULT_RISK_BUDGET if risk_budget is None else risk_budget
-    return solve(trace, budget=budget, risk_budget=risk, buckets=buckets, codecs=list(CODECS))
+    return solve(trace, budget=budget, risk_budget=risk_budget, buckets=buckets, codecs=list(CODECS))
+
+
+def blind_plan(trace: Trace, budget: str, *, risk_budget: float | str | None, buckets: int) -> Plan:
+    """The exposure-blind control at the same memory and error budget (``solver.fixed``)."""
+    from ..solver.fixed import exposure_blind_plan
+
+    return exposure_blind_plan(trace, budget, risk_budget=risk_budget, buckets=buckets, codecs=list(CODECS))
 
 
 def uniform_plan(trace: Trace, like: Plan, codec: str | None, label: str) -> Plan:
-    """An exposure-blind plan with ``like``'s buckets: ``compress:<codec>`` wherever
-    the unit allows it, else ``store``, the same in every bucket (``codec=None``:
-    store everything). Its predicted memory comes from the solver's own model.
-    """
-    from ..solver.memory import cost_model, plan_risk, simulate
+    """An exposure- and cost-blind plan with ``like``'s buckets and shape:
+    ``compress:<codec>`` wherever the unit allows it, else ``store``
+    (``codec=None``: store everything); ``solver.fixed_plan`` predicts it."""
+    from ..solver import fixed_plan, uniform_codec
 
-    model = cost_model(trace, batch=like.batch, seq_len=like.seq_len, codecs=CODECS)
-    option = None if codec is None else COMPRESS_PREFIX + codec
-    decisions = {u.key: option if option in u.options else STORE for u in model.units}
-    prediction = simulate(model, decisions)
-    buckets = []
-    for b in like.buckets:
-        if b.skip:
-            buckets.append(b)
-            continue
-        buckets.append(dataclasses.replace(
-            b, decisions=tuple(decisions.items()), memory_bytes=prediction.memory_bytes,
-            kept_bytes=prediction.kept_bytes, transient_bytes=prediction.transient_bytes,
-            time_s=prediction.time_s, risk=plan_risk(model, decisions, b.bucket.exposure),
-            solver=None, notes=(f"{label}: exposure-blind, not solved",),
-        ))
-    return dataclasses.replace(like, buckets=tuple(buckets), notes=(*like.notes, f"{label} plan"))
+    specs = [b.bucket for b in like.buckets if not b.skip]
+    return fixed_plan(trace, uniform_codec(codec), buckets=specs, codecs=list(CODECS), batch=like.batch,
+                      seq_len=like.seq_len, label=label)
 
 
 def option_counts(bucket: BucketPlan) -> dict[str, int]:

@@ -6,15 +6,17 @@ Order of work (each step reports on stderr):
 2. solve the hilore plans at the planned and the tight budget; a budget that
    is infeasible is reported and replaced by the smallest feasible one (the
    probe budgets are only solved, to report whether they are feasible);
-3. compile the arms: hilore at each budget, the exposure-blind int8 control,
-   and store-all (Inductor's rounding alone);
+3. compile the arms: hilore at each budget, the exposure-blind control at the
+   same memory and error budget, blind int8, and store-all (Inductor's rounding alone);
 4. gradient fidelity of every compiled arm per bucket (``fidelity``);
-5. paired training: exact, hilore at the tight budget, blind int8 (``training``).
+5. paired training: exact, hilore at the tight budget, and the exposure-blind
+   control at the same memory and error budget (``training``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 import time
@@ -56,12 +58,9 @@ class EvalConfig:
     #: Budgets only solved (not compiled) to report whether they are feasible
     #: and, if not, the smallest budget that is.
     probe_budgets: tuple[str, ...] = ("0.6x-gc",)
-    #: Risk budget of the hilore plans; None: the risk of int8 on every unit at
-    #: the middle bucket's exposure, so int8 everywhere fits the low buckets and
-    #: not the top one (with the solver's default, 0.2, and uncalibrated
-    #: sensitivities, no bucket of the tiny policy is risk-bound and exposure
-    #: would change nothing).
-    risk_budget: float | None = None
+    #: Error budget of the hilore plans (the update's squared relative gradient
+    #: error, or ``"cos>=c"``); None: ``auto_risk_budget``, one that binds.
+    risk_budget: float | str | None = None
     #: Nonzero exposure buckets of the plans.
     buckets: int = 3
     #: Costs the plans minimise time under. Roofline, not measured: the tiny
@@ -93,14 +92,24 @@ def quick_config(**overrides: Any) -> EvalConfig:
 
 
 def auto_risk_budget(trace: Trace, config: EvalConfig) -> float:
-    """Risk of int8 on every unit that allows it, at the middle default bucket's exposure."""
-    from ..solver import default_buckets
+    """An error budget that binds on the tiny policy: half of what int8 on every
+    unit in every bucket would cost over GRPO's default exposure mix.
+
+    At the solver's default (cos >= 0.999) the tiny policy's codecs are far too
+    accurate for the budget to bind, and every bucket would get one plan. Half
+    of int8-everywhere forces a choice: int8 fits where the coefficient mass
+    is small and not everywhere. The equivalent cosine is reported.
+    """
+    from ..solver import bucket_shares, default_buckets, default_exposure_mix
+    from ..solver.fixed import uniform_codec
     from ..solver.memory import cost_model, plan_risk
 
     model = cost_model(trace, batch=config.microbatch, seq_len=config.task.seq_len, codecs=arms_mod.CODECS)
-    decisions = {u.key: "compress:int8" if "compress:int8" in u.options else "store" for u in model.units}
-    middle = default_buckets(config.buckets)[config.buckets // 2]
-    return plan_risk(model, decisions, middle.exposure)
+    decide = uniform_codec("int8")
+    decisions = {u.key: decide(u) for u in model.units}
+    mix = default_exposure_mix()
+    shares = bucket_shares(default_buckets(config.buckets, mix), mix)
+    return 0.5 * sum(plan_risk(model, decisions, s.mass) for s in shares)
 
 
 def resolve_plan(trace: Trace, budget: str, risk: float, buckets: int) -> tuple[Plan, dict[str, Any]]:
@@ -135,7 +144,9 @@ def _warm_up(arm: arms_mod.Arm, config: EvalConfig) -> float:
 
 def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[str, arms_mod.Arm], dict[str, Any]]:
     """Solve the plans and compile one arm per distinct plan; returns arms and plan info."""
-    risk = auto_risk_budget(trace, config) if config.risk_budget is None else config.risk_budget
+    from ..solver import parse_risk_budget
+
+    risk = auto_risk_budget(trace, config) if config.risk_budget is None else parse_risk_budget(config.risk_budget)
     planned, planned_info = resolve_plan(trace, config.planned_budget, risk, config.buckets)
     tight, tight_info = resolve_plan(trace, config.tight_budget, risk, config.buckets)
     for info in (planned_info, tight_info):
@@ -144,6 +155,7 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
     plans = {"hilore-tight": tight}
     if planned.budget_bytes != tight.budget_bytes:
         plans["hilore-planned"] = planned
+    plans["hilore-blind"] = arms_mod.blind_plan(trace, tight.budget, risk_budget=risk, buckets=config.buckets)
     plans["blind-int8"] = arms_mod.uniform_plan(trace, tight, "int8", "blind-int8")
     plans["store-all"] = arms_mod.uniform_plan(trace, tight, None, "store-all")
     arms, compile_s = {}, {}
@@ -158,6 +170,10 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
             "risk_budget_source": "auto" if config.risk_budget is None else "given",
             "compile_seconds": compile_s,
             "control_memory_bytes": plans["blind-int8"].buckets[-1].memory_bytes,
+            "blind_memory_bytes": plans["hilore-blind"].buckets[-1].memory_bytes,
+            "buckets_differ": len({b.decisions for b in tight.buckets if not b.skip}) > 1,
+            "predicted_error": {n: math.sqrt(sum(b.risk for b in p.buckets if not b.skip))
+                                for n, p in plans.items()},
             "arm_budgets": {n: p.budget for n, p in plans.items()}}
     return arms, info
 
@@ -208,7 +224,7 @@ def _run(config: EvalConfig, say: Progress) -> dict[str, Any]:
     batch_size = config.train.prompts_per_step * config.train.group_size
     run_setup = RunSetup(task=config.task, train=config.train, grpo=grpo, update=update,
                          buckets=plan_buckets(tight.plan, batch_size), model=config.model)
-    arms = [exact, tight, compiled["blind-int8"]]
+    arms = [exact, tight, compiled["hilore-blind"]]
     runs = train_paired(arms, list(range(config.seeds)), run_setup, say)
     timings["training_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - start

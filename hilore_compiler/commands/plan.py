@@ -15,14 +15,19 @@ from .show import exposure_range
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan", help="trace JSON -> plan JSON (store / compress / recompute per bucket)",
-        description="Solve one ILP per exposure bucket (PuLP + CBC) and write a hilore.plan/v1 file. "
+        description="Solve one ILP over all exposure buckets (PuLP + CBC), sharing one error budget "
+                    "for the whole update over a batch's exposure mix, and write a hilore.plan/v1 file. "
                     "Needs no model and no torch.",
     )
     p.add_argument("trace", help="hilore.trace/v1 JSON file")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help=f"activation memory budget (default {DEFAULT_BUDGET}): {ACCEPTED_FORMS}")
     p.add_argument("--risk", type=_risk_budget, default=DEFAULT_RISK_BUDGET,
-                   help=f"risk budget: a number, or a target such as cos>=0.999 (default {DEFAULT_RISK_BUDGET})")
+                   help="error budget of the whole update: its squared relative gradient error, or a "
+                        f"target such as cos>=0.9999 (default {DEFAULT_RISK_BUDGET})")
+    p.add_argument("--exposure-mix", default=None,
+                   help="hilore.exposure-mix/v1 file: plan exposures of a typical batch, which weigh the "
+                        "buckets' time and error (default: GRPO groups of 8, binary rewards, 50%% solve rate)")
     p.add_argument("--buckets", type=int, default=DEFAULT_NUM_BUCKETS,
                    help=f"number of exposure buckets besides 'zero' (default {DEFAULT_NUM_BUCKETS})")
     p.add_argument("--codecs", default=None,
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, inputs=[args.trace])
     plan = solve(
         args.trace, args.budget, risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs,
-        batch=args.batch, seq_len=args.seq_len, options=SolverOptions(time_limit_s=args.time_limit),
+        batch=args.batch, seq_len=args.seq_len, exposure_mix=args.exposure_mix,
+        options=SolverOptions(time_limit_s=args.time_limit),
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     path = save_or_fallback(plan.save, args.output, "plan")

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..planfile import Plan
+from ..vocabulary import to_plan_exposure
 
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
@@ -252,6 +253,5 @@ def choose_bucket(backend: Any, exposures: torch.Tensor) -> str | None:
     graphs = getattr(backend, "graphs", None) or []
     if not graphs:
         return None
-    # Plans state exposure per sample as if it were the whole batch (see
-    # grpo.plan_buckets): undo the loss's 1/N normalisation.
-    return graphs[0].plan.bucket_for(float(exposures.max()) * exposures.numel())
+    # Plans state exposure per sample as if it were the whole batch (vocabulary).
+    return graphs[0].plan.bucket_for(to_plan_exposure(float(exposures.max()), exposures.numel()))

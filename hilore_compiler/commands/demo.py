@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..vocabulary import ZERO_BUCKET
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..models import model_names
@@ -120,7 +122,7 @@ def _print_result(report, backend, hilore_grad: torch.Tensor, exact_grad: torch.
         shape = f"batch {graph.plan.batch}, seq {graph.plan.seq_len}"
         for bucket, source in graph.variant_of.items():
             actual = graph.actual_saved_bytes(bucket)
-            if bucket == "zero" or source != bucket or actual is None:
+            if bucket == ZERO_BUCKET or source != bucket or actual is None:
                 continue
             print(f"{shape}, bucket {bucket}: saved activations predicted "
                   f"{graph.predicted_saved_bytes(bucket) / 2**20:.3f} MiB, measured in the compiled "

@@ -54,8 +54,8 @@ def bucket_advantage(spec: BucketSpec) -> float:
     """An |advantage| safely inside ``spec``'s exposure range (plan units).
 
     The middle of the range in log scale, or its planned exposure when the
-    range is unbounded: bucket edges are closed on one side in the plan and on
-    the other in ``ExposureBuckets``, so an edge itself is avoided.
+    range is unbounded; an edge itself is avoided so that rounding in the
+    plan -> batch unit conversion cannot move a sample across it.
     """
     if math.isinf(spec.hi):
         return max(spec.exposure, 2.0 * spec.lo)

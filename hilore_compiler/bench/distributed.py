@@ -111,7 +111,9 @@ def rank_main(rank: int, world: int, config_json: str, method: str) -> dict[str,
     batch = rank_batch(config, rank, model.config.vocab_size)
     batch = dataclasses.replace(batch, **{f: getattr(batch, f).to(device) for f in
                                           ("input_ids", "response_mask", "old_logprobs", "advantages")})
-    info = _prepare(method, model, config, batch)
+    from ..distributed.blocks import fsdp_weight_bytes
+
+    info = {"weights": fsdp_weight_bytes(model, world), **_prepare(method, model, config, batch)}
     shard_blocks(model, init_device_mesh(device.type, (world,)))
     update = UpdateConfig(microbatch_size=1, n_buckets=config.hilore_buckets)
     reports: list[Any] = []

@@ -135,6 +135,30 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *
     return compilers
 
 
+def fsdp_weight_bytes(model: nn.Module, world: int) -> dict[str, int]:
+    """Weight bytes one rank holds under ``shard_blocks`` (unsharded ``model``, ``world`` ranks).
+
+    - ``sharded``: every parameter's 1/world share, held all the time;
+    - ``gathered_block``: the largest block unsharded, held while it runs
+      forward and again while it runs backward (FSDP2 all-gathers it before
+      each; with prefetching the next block's too);
+    - ``root``: the root's own parameters (embedding, norm, head) unsharded,
+      kept from forward to backward (the root does not reshard after forward).
+
+    None of these depends on the plan: recompute in a block's backward runs
+    while that block's weights are gathered anyway (the input gradient of a
+    matmul needs its weight), so the plan budgets activations only.
+    """
+    def nbytes(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    blocks = decoder_blocks(model)
+    total = nbytes(model)
+    in_blocks = sum(nbytes(b) for b in blocks)
+    return {"sharded": -(-total // world), "gathered_block": max(nbytes(b) for b in blocks),
+            "root": total - in_blocks}
+
+
 def shard_blocks(model: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> nn.Module:
     """``fully_shard`` each decoder block, then the root (embedding, norm, head), as torchtitan does."""
     from torch.distributed.fsdp import fully_shard

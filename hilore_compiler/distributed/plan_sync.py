@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..planfile import Plan, plan_from_json
+from ..tracefile import Trace
 
 
 def plan_digest(plan: Plan) -> str:
@@ -47,31 +48,41 @@ def check_same_plan(plan: Plan) -> str:
     return digests[0]
 
 
+def trace_step(model: nn.Module, input_ids: torch.Tensor, codecs: tuple[str, ...]) -> Trace:
+    """Trace and profile the whole unsharded ``model`` at ``input_ids``' (microbatch) shape."""
+    from ..passes.tracer import TraceConfig, trace
+
+    config = TraceConfig(codecs=codecs, verbose=False, model_name=type(model).__name__)
+    return trace(copy.deepcopy(model), [input_ids], config=config)
+
+
 def solve_step_plan(model: nn.Module, input_ids: torch.Tensor,
                     options: Mapping[str, Any] | None = None) -> Plan:
     """A whole-step plan for the unsharded ``model`` at ``input_ids``' (microbatch) shape.
 
-    Traces and profiles the whole model (not one block: a block alone has no
-    meaningful GC reference, see ``blocks``) and solves it with the options'
-    budget, risk budget, buckets and codecs.
+    Traces the whole model (not one block: a block alone has no meaningful
+    GC reference, see ``blocks``) and solves it with the options' budget,
+    risk budget, buckets and codecs.
     """
-    from ..passes.tracer import TraceConfig, trace
     from ..solver import solve
 
     options = dict(options or {})
     codecs = tuple(options.get("codecs", ("bf16", "int8")))
-    config = TraceConfig(codecs=codecs, verbose=False, model_name=type(model).__name__)
-    traced = trace(copy.deepcopy(model), [input_ids], config=config)
+    traced = trace_step(model, input_ids, codecs)
     kwargs = {} if options.get("risk_budget") is None else {"risk_budget": options["risk_budget"]}
     batch, seq_len = input_ids.shape
     return solve(traced, budget=options.get("memory_budget", "1.10x-gc"), buckets=options.get("buckets", 3),
                  codecs=list(codecs), batch=int(batch), seq_len=int(seq_len), **kwargs)
 
 
+MakePlan = Callable[[nn.Module, torch.Tensor, Mapping[str, Any]], Plan]
+
+
 def shared_step_plan(model: nn.Module, input_ids: torch.Tensor,
-                     options: Mapping[str, Any] | None = None) -> Plan:
-    """Rank 0 solves ``solve_step_plan``; every rank returns the same plan (checked)."""
-    plan = solve_step_plan(model, input_ids, options) if dist.get_rank() == 0 else None
+                     options: Mapping[str, Any] | None = None, *,
+                     make: MakePlan = solve_step_plan) -> Plan:
+    """Rank 0 makes the plan (``make``, by default ``solve_step_plan``); every rank returns it (checked)."""
+    plan = make(model, input_ids, dict(options or {})) if dist.get_rank() == 0 else None
     plan = broadcast_plan(plan)
     check_same_plan(plan)
     return plan

@@ -39,7 +39,16 @@ import torch
 from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
-from .runner import MethodRun, Progress, WorkerError, WorkerProcess, compare_grads, describe, measure_rounds
+from .runner import (
+    MethodRun,
+    Progress,
+    WorkerError,
+    WorkerProcess,
+    close_workers,
+    compare_grads,
+    describe,
+    measure_rounds,
+)
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
 ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
@@ -198,10 +207,7 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
         measure_rounds(list(runs.values()), config, progress)
     finally:
-        for run in runs.values():
-            if run.worker is not None:
-                run.worker.close()
-                run.worker = None
+        close_workers(runs.values())
     compare_grads(runs)
     failed = any(r.status != "ok" for r in runs.values())
     report = summarise(config, runs, plans)

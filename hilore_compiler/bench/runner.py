@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,16 +302,21 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
                 runs[method] = launcher.start(method)
         measure_rounds(list(runs.values()), config, progress)
     finally:
-        for run in runs.values():
-            if run.worker is not None:
-                run.worker.close()
-                run.worker = None
+        close_workers(runs.values())
     compare_grads(runs)
     failed = any(run.status != "ok" for run in runs.values())
     if not failed:
         shutil.rmtree(run_dir, ignore_errors=True)  # only logs, gradients and a temporary cache
     return BenchRun(config=config, device=device, runs=tuple(runs.values()), budget_search=search,
                     run_dir=str(run_dir) if failed else None)
+
+
+def close_workers(runs: Iterable[MethodRun]) -> None:
+    """Close every worker still running (after the rounds, or when they fail)."""
+    for run in runs:
+        if run.worker is not None:
+            run.worker.close()
+            run.worker = None
 
 
 def compare_grads(runs: dict[str, MethodRun]) -> None:

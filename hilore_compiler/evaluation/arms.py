@@ -13,15 +13,14 @@ An arm's model is what ``actor_update`` calls. ``exact`` is the eager policy
 - ``store-all``: every unit stored; through the same backend, so it measures
   what Inductor's own rounding costs (the floor of any compiled arm).
 
-The policy is traced once, inside a dynamo backend on the very graph the arms
-compile (``planning.trace_graph``, as zero-config compiles do), and every plan
+The policy is traced once, at the very graph the arms
+compile (the public ``trace`` at the arms' static shape), and every plan
 is solved from that one trace: tracing profiles each unit and is the slow part.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -74,31 +73,20 @@ class Arm:
 
 
 def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured") -> Trace:
-    """Trace ``policy`` at (batch, seq_len) inside a dynamo backend, as zero-config compiles do.
+    """Trace ``policy`` at exactly (batch, seq_len), the static graph the arms compile.
 
-    The backend hands dynamo's own graph to the tracer and then runs it
-    eagerly, so the trace's unit keys are those of the graph the arms compile
-    later. ``cost_model``: ``"measured"`` or ``"roofline:<device>"`` (codec
-    errors are measured on the real activations either way).
+    ``dynamic=False`` makes the tracer capture the joint graph a
+    ``dynamic=False`` compile at this shape hands Inductor's partitioner, so
+    the trace's unit keys are those the arms' plans are applied to.
+    ``cost_model``: ``"measured"`` or ``"roofline:<device>"`` (codec errors
+    are measured on the real activations either way).
     """
-    from ..passes.capture import capture_graph_module
-    from ..passes.tracer import TraceConfig, trace_captures
+    from ..passes.tracer import TraceConfig, trace
 
-    traces: list[Trace] = []
-    config = TraceConfig(cost_model=cost_model, codecs=CODECS, model_name="tiny-eval", verbose=False)
-
-    def tracing_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        capture = capture_graph_module(gm, example_inputs)
-        traces.append(trace_captures([capture], batch, seq_len, config))
-        return gm.forward
-
+    config = TraceConfig(cost_model=cost_model, codecs=CODECS, model_name="tiny-eval", verbose=False,
+                         dynamic=False)
     ids = torch.randint(0, policy.config.vocab_size, (batch, seq_len), generator=torch.Generator())
-    compiled = torch.compile(policy, backend=tracing_backend, dynamic=False)
-    compiled(ids).float().pow(2).mean().backward()
-    policy.zero_grad(set_to_none=True)
-    if len(traces) != 1:
-        raise RuntimeError(f"expected one graph of the policy, dynamo made {len(traces)}")
-    return traces[0]
+    return trace(policy, [ids], config=config)
 
 
 def solve_plan(trace: Trace, budget: str, *, risk_budget: float | str | None, buckets: int) -> Plan:

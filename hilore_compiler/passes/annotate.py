@@ -46,9 +46,15 @@ class UnitNodes:
     not_recomputable_reason: str | None
 
 
+#: Dynamo's name of the root object a module path starts from: a local or
+#: global (``L['self']``, ``G['model']``), indexed when it came through
+#: ``*args`` of a decorated forward (``L['args'][0]``, as Hugging Face's are).
+_ROOT_SOURCE = re.compile(r"^[LG]\['[^']*'\](?:\[\d+\]|\['[^']*'\])*\.?")
+
+
 def normalize_fqn(path: str) -> str:
     """``"L['self'].layers[0]._modules['mlp'].up"`` -> ``"layers.0.mlp.up"``."""
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = _ROOT_SOURCE.sub("", path)
     path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)

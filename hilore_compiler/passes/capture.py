@@ -324,15 +324,26 @@ def capture_joint_graphs(
 
 
 def _mark_first_dynamic(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """Copies of the inputs whose first tensor has its first two dims dynamic."""
-    for container, key in [*((args, i) for i in range(len(args))), *((kwargs, k) for k in kwargs)]:
+    """Copies of the inputs with the first tensor's batch and sequence dims dynamic.
+
+    Other inputs of the same leading sizes (an attention mask beside the
+    token ids) are marked too, or the model's comparisons between them would
+    specialise the sizes; ``maybe_mark_dynamic`` lets code that really needs
+    a constant size specialise it instead of failing.
+    """
+    slots = [*((args, i) for i in range(len(args))), *((kwargs, k) for k in kwargs)]
+    tensors = [(c, k) for c, k in slots if isinstance(c[k], torch.Tensor)]
+    if not tensors:
+        return args, kwargs
+    container, key = tensors[0]
+    lead = tuple(container[key].shape[:2])
+    for i, (container, key) in enumerate(tensors):
         value = container[key]
-        if isinstance(value, torch.Tensor):
-            first = value.clone()
-            for dim in range(min(2, first.dim())):
-                torch._dynamo.mark_dynamic(first, dim)
-            container[key] = first
-            break
+        if i == 0 or tuple(value.shape[:2]) == lead:
+            # mark_dynamic sticks to the tensor: mark a copy, not the caller's.
+            container[key] = value = value.clone()
+            for dim in range(len(lead)):
+                torch._dynamo.maybe_mark_dynamic(value, dim)
     return args, kwargs
 
 

@@ -27,23 +27,29 @@ def shape_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
 
     They are the first two dims of the token ids (a 2-D integer input); a
     graph after a graph break may instead start from hidden states
-    (B, S, C), whose first two dims are then used.
+    (B, S, C), whose first two dims are then used. Other inputs of the same
+    leading sizes (an attention mask) carry symbols of their own that dynamo
+    only guards equal: they map to B and S too.
     """
     tensors = [n.meta["val"] for n in graph.nodes
-               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 2]
     tensors.sort(key=lambda v: not (v.dim() == 2 and not v.is_floating_point()))
+    lead = next((v.shape[:2] for v in tensors if any(isinstance(_expr(d), sympy.Symbol) for d in v.shape[:2])), None)
+    if lead is None:
+        return {}
+    hints = [_hint(d) for d in lead]
+    mapping = {}
     for val in tensors:
-        if val.dim() < 2:
+        if [_hint(d) for d in val.shape[:2]] != hints:
             continue
-        batch, seq = (_expr(d) for d in val.shape[:2])
-        mapping = {}
-        if isinstance(batch, sympy.Symbol):
-            mapping[batch] = B
-        if isinstance(seq, sympy.Symbol):
-            mapping[seq] = S
-        if mapping:
-            return mapping
-    return {}
+        for dim, name in zip(val.shape[:2], (B, S)):
+            if isinstance(_expr(dim), sympy.Symbol):
+                mapping.setdefault(_expr(dim), name)
+    return mapping
+
+
+def _hint(dim: int | torch.SymInt) -> int:
+    return dim.node.hint if isinstance(dim, torch.SymInt) else int(dim)
 
 
 def nbytes_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:

@@ -100,6 +100,8 @@ def runs(tmp_path_factory):
 def test_training_forward_goes_through_hilore(runs):
     sub, snap = runs["sub"], runs["snap"]
     assert snap.graphs[0] >= 1, "the training forward compiled no graph with the hilore backend"
+    planned = [g for g in sub.hilore_backend.graphs if g.plan is not None]
+    assert planned, "the backend compiled the graph without a plan (fell back to Inductor)"
     assert not sub.model.is_activation_checkpointing
 
 

@@ -41,8 +41,9 @@ def char_tokenizer() -> Any:
 def tiny_qwen2(tokenizer: Any, *, hidden: int = 32, layers: int = 2, seed: int = 0) -> Any:
     """A random ``Qwen2ForCausalLM`` over ``tokenizer``'s vocabulary (fp32, eager attention).
 
-    ``use_cache=False`` in the config: the hilore backend cannot yet compile
-    a forward that builds a KV cache (see the README's TRL section).
+    The config keeps ``use_cache=True`` as a downloaded model has it: TRL's
+    training forward passes ``use_cache=False`` itself, and generation (which
+    builds the KV cache) is not compiled.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -50,7 +51,7 @@ def tiny_qwen2(tokenizer: Any, *, hidden: int = 32, layers: int = 2, seed: int =
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, use_cache=False, tie_word_embeddings=False,
+        max_position_embeddings=128, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, attn_implementation="eager",
     )

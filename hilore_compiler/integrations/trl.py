@@ -37,7 +37,6 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from ..backend import HiLoReBackend, exposure
 from ..grpo import (
-    ZERO,
     ExposureBuckets,
     GRPOLossConfig,
     exposure_before_forward,
@@ -194,8 +193,15 @@ class HiLoReGRPOTrainer(GRPOTrainer):
 
     def _buckets(self, batch: Mapping[str, Any], exposures: torch.Tensor) -> ExposureBuckets:
         """The plan's buckets in this batch's units; the plan is made by compiling now if need be."""
-        if not self.hilore_backend.graphs:
+        if not self._compiled:  # first generation: compile once, so that the plan exists
             self._compile_now(batch)
+            if not self.hilore_backend.graphs:
+                warnings.warn(
+                    "the hilore backend compiled nothing for the training forward: dynamo reused a "
+                    "graph compiled earlier in this process (by another trainer's backend); call "
+                    "torch._dynamo.reset() before building a second trainer",
+                    stacklevel=2,
+                )
         plan = next((g.plan for g in self.hilore_backend.graphs if g.plan is not None), None)
         if plan is not None:
             return plan_buckets(plan, exposures.shape[0])
@@ -284,7 +290,9 @@ class HiLoReGRPOTrainer(GRPOTrainer):
 def _turn_off_checkpointing(args: Any, model: Any) -> None:
     """Switch TRL's (and the model's) gradient checkpointing off, saying why."""
     on = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
-    on_model = bool(getattr(model, "is_gradient_checkpointing", False))
+    # transformers 5 renamed gradient_* to activation_*; 4.x has only the old names.
+    new_names = hasattr(model, "is_activation_checkpointing")
+    on_model = bool(getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False))
     if not (on or on_model):
         return
     warnings.warn(
@@ -298,7 +306,7 @@ def _turn_off_checkpointing(args: Any, model: Any) -> None:
         if hasattr(args, name):
             setattr(args, name, False)
     if on_model:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable() if new_names else model.gradient_checkpointing_disable()
 
 
-__all__ = ["HiLoReGRPOTrainer", "BUCKET_KEY", "SKIP_KEY", "ZERO"]
+__all__ = ["BUCKET_KEY", "SKIP_KEY", "HiLoReGRPOTrainer"]

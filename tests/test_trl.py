@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from transformers import TrainerCallback  # noqa: E402
 
+from hilore_compiler.backend import current_bucket  # noqa: E402
 from hilore_compiler.grpo import GRPOConfig, GRPOLossConfig  # noqa: E402
 from hilore_compiler.integrations.batching import order_by_bucket, pad_batch  # noqa: E402
 from hilore_compiler.integrations.toy import (  # noqa: E402
@@ -26,7 +27,7 @@ from hilore_compiler.integrations.toy import (  # noqa: E402
     largest_digit_reward,
     tiny_qwen2,
 )
-from hilore_compiler.integrations.trl import HiLoReGRPOTrainer  # noqa: E402
+from hilore_compiler.integrations.trl import BUCKET_KEY, HiLoReGRPOTrainer  # noqa: E402
 
 #: SGD with a large step: the update is then a fixed multiple of the gradient,
 #: so comparing parameters compares gradients (Adam's first step is about
@@ -37,8 +38,8 @@ LR = 1.0
 def _args(out: str, steps: int, **overrides) -> trl.GRPOConfig:
     base = dict(
         output_dir=out, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        disable_tqdm=True, seed=0, logging_steps=1, max_steps=steps,
-        per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=2,
+        disable_tqdm=True, seed=1, logging_steps=1, max_steps=steps,  # seed 1: a mixed first batch
+        per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=4,
         max_completion_length=8, loss_type="dapo", optim="sgd", learning_rate=LR,
         lr_scheduler_type="constant",
     )
@@ -46,6 +47,12 @@ def _args(out: str, steps: int, **overrides) -> trl.GRPOConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' gradient_checkpointing rename
         return trl.GRPOConfig(**base)
+
+
+def _high_digit_reward(prompts, completions, **_):
+    """1 where the completion starts with a digit above 4: a random policy earns it about a
+    third of the time, so a batch holds both zero-variance groups and mixed ones."""
+    return [1.0 if c[:1].isdigit() and int(c[:1]) > 4 else 0.0 for c in completions]
 
 
 def _clone(batch: dict) -> dict:
@@ -72,7 +79,7 @@ def runs(tmp_path_factory):
     tok = char_tokenizer()
     start = tiny_qwen2(tok, layers=1, seed=0)  # one layer: the compile dominates this file's time
     data = digit_dataset(64, seed=0)
-    ref = trl.GRPOTrainer(model=copy.deepcopy(start), reward_funcs=largest_digit_reward,
+    ref = trl.GRPOTrainer(model=copy.deepcopy(start), reward_funcs=_high_digit_reward,
                           args=_args(str(tmp / "ref"), 1, gradient_checkpointing=False),
                           train_dataset=data, processing_class=tok)
     recorded, generate = [], ref._generate_and_score_completions
@@ -81,7 +88,7 @@ def runs(tmp_path_factory):
 
     with pytest.warns(UserWarning, match="turns gradient checkpointing off"):
         sub = HiLoReGRPOTrainer(
-            model=copy.deepcopy(start), reward_funcs=largest_digit_reward,
+            model=copy.deepcopy(start), reward_funcs=_high_digit_reward,
             args=_args(str(tmp / "sub"), 3),  # TRL's default gradient_checkpointing=True
             train_dataset=data, processing_class=tok,
             hilore_options={"codecs": [], "buckets": 1, "cache_dir": str(tmp / "cache"),
@@ -90,11 +97,18 @@ def runs(tmp_path_factory):
     own = sub._generate_and_score_completions
     replay = [_clone(recorded[0])]
     sub._generate_and_score_completions = lambda b: replay.pop() if replay else own(b)
+    seen = []  # (bucket active while TRL's loss ran, the microbatch's bucket), per microbatch
+
+    def loss_under_bucket(model, inputs, _loss=sub._compute_loss):
+        seen.append((current_bucket(), inputs[BUCKET_KEY]))
+        return _loss(model, inputs)
+
+    sub._compute_loss = loss_under_bucket
     snap = _Snapshot([sub])
     sub.add_callback(snap)
     torch._dynamo.reset()
     sub.train()
-    return dict(start=start, ref=ref, sub=sub, snap=snap, batch=recorded[0])
+    return dict(start=start, ref=ref, sub=sub, snap=snap, batch=recorded[0], seen=seen)
 
 
 def test_training_forward_goes_through_hilore(runs):
@@ -131,10 +145,25 @@ def test_zero_exposure_samples_are_grouped_and_skipped(runs):
     assert sub.bucket_history[0]["zero"] == zero
     size, chunks = sub.args.per_device_train_batch_size, sub.args.steps_per_generation
     assert zero >= size, "the recorded batch has no all-zero microbatch: nothing to skip (reseed)"
+    nonzero = batch["advantages"].numel() - zero
+    assert nonzero > size, "all nonzero samples fit the last microbatch: a wrong skip would pass unseen"
     # Zero-first order: every all-zero microbatch but the step's last is skipped.
     expected = size * min(zero // size, chunks - 1)
     logs = [h for h in sub.state.log_history if "hilore/skipped_samples" in h]
     assert logs[0]["hilore/skipped_samples"] == expected
+
+
+def test_each_microbatch_runs_under_its_bucket_least_exposed_first(runs):
+    sub, seen = runs["sub"], runs["seen"]
+    names = sub.bucket_history[0].keys()  # ("zero", "b0", ...): the plan's buckets
+    assert seen and all(active == given and given in names for active, given in seen), seen
+    ga = sub.args.gradient_accumulation_steps
+    logs = [h["hilore/skipped_samples"] for h in sub.state.log_history if "hilore/skipped_samples" in h]
+    runs_per_step = [ga - int(k) // sub.args.per_device_train_batch_size for k in logs]
+    assert sum(runs_per_step) == len(seen)
+    first = [b for _, b in seen[: runs_per_step[0]]]
+    order = list(names)
+    assert first == sorted(first, key=order.index), f"step 1 ran {first}, not least exposed first"
 
 
 def test_from_trl_maps_and_refuses():
@@ -185,7 +214,7 @@ def _built(args) -> HiLoReGRPOTrainer:
 
 
 def test_order_falls_back_where_it_would_move_samples_between_steps():
-    args = _args("/tmp/unused", 1, gradient_checkpointing=False, steps_per_generation=4)
+    args = _args("/tmp/unused", 1, gradient_checkpointing=False, steps_per_generation=8)
     with pytest.warns(UserWarning, match="keeps TRL's shuffled order"):
         trainer = _built(args)
     assert not trainer.exposure_order and trainer.skip_zero

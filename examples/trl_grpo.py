@@ -44,7 +44,8 @@ class PrintSteps(TrainerCallback):
         self.step_times.append(logs["step_time"])
         buckets = {k.removeprefix("hilore/bucket_"): int(v) for k, v in logs.items()
                    if k.startswith("hilore/bucket_")}
-        line = f"step {state.global_step:3d}  reward {logs.get('reward', 0):.3f}  step_time {logs['step_time']:.2f}s"
+        line = (f"step {state.global_step:3d}  reward {logs.get('reward', 0):.3f}  "
+                f"step_time {logs['step_time']:.2f}s")
         if buckets:
             line += f"  buckets {buckets}  skipped {int(logs.get('hilore/skipped_samples', 0))}"
         print(line, flush=True)

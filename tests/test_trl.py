@@ -226,3 +226,18 @@ def test_bnpo_orders_with_a_warning_and_a_kl_term_turns_skipping_off():
     assert trainer.exposure_order and trainer._skip_is_exact()
     trainer.beta = 0.1  # a KL term: zero-advantage samples still have a gradient
     assert not trainer._skip_is_exact()
+
+
+def test_a_microbatch_is_skipped_only_where_every_rank_can_skip_it():
+    trainer = _built(_args("/tmp/unused", 1, gradient_checkpointing=False))
+    other_rank = torch.tensor([1, 0, 1, 1])  # what rank 1 found all-zero
+
+    class TwoRanks:  # the three things _on_every_rank asks of accelerate
+        num_processes, device = 2, torch.device("cpu")
+
+        @staticmethod
+        def gather(t):
+            return torch.cat([t, other_rank])
+
+    trainer.accelerator = TwoRanks()
+    assert trainer._on_every_rank((True, True, False, True)) == (True, False, False, True)

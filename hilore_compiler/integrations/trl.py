@@ -289,10 +289,11 @@ class HiLoReGRPOTrainer(GRPOTrainer):
 
 def _turn_off_checkpointing(args: Any, model: Any) -> None:
     """Switch TRL's (and the model's) gradient checkpointing off, saying why."""
-    on = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
+    on = any(getattr(args, name, False) for name in ("activation_checkpointing", "gradient_checkpointing"))
     # transformers 5 renamed gradient_* to activation_*; 4.x has only the old names.
     new_names = hasattr(model, "is_activation_checkpointing")
-    on_model = bool(getattr(model, "is_activation_checkpointing" if new_names else "is_gradient_checkpointing", False))
+    flag = "is_activation_checkpointing" if new_names else "is_gradient_checkpointing"
+    on_model = bool(getattr(model, flag, False))
     if not (on or on_model):
         return
     warnings.warn(

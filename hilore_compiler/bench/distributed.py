@@ -1,13 +1,16 @@
 """``hilore bench --nproc N``: GC, store-all and HiLoRe per block under FSDP2, N processes.
 
-Every method runs in its own ``spawn`` of N ranks (gloo on CPU, nccl where
-each rank has a GPU), with the same weights and per-rank batches. Per rank:
+One ``spawn`` of N ranks (gloo on CPU, nccl where each rank has a GPU) runs
+every method, each with its own model (same weights, same per-rank batches):
 ``compile_blocks`` (GC: each block under ``torch.utils.checkpoint`` first),
-``shard_blocks`` (FSDP2 on each block and the root), then ``grpo.actor_update``
-steps: one warm-up (compiles) and ``steps`` measured ones. Reported per
-method: each rank's peak memory of the step (``bench.measure``: CPU VmHWM
-with ``MALLOC_MMAP_THRESHOLD_``, CUDA max_memory_allocated) and the
-aggregate tokens/s (summed over ranks by ``actor_update``), median of steps.
+``shard_blocks`` (FSDP2 on each block and the root), one warm-up
+``grpo.actor_update`` (compiles), then ``steps`` rounds in which every method
+runs one measured update in turn, so load from other jobs hits them alike.
+Reported per method: each rank's peak memory of the step (``bench.measure``:
+CPU VmHWM with ``MALLOC_MMAP_THRESHOLD_``, so freed tensors leave the process
+and one method's step does not hide in another's; CUDA max_memory_allocated)
+and the aggregate tokens/s (summed over ranks by ``actor_update``), median of
+rounds.
 
 HiLoRe: rank 0 traces the whole step and solves one plan, broadcast to every
 rank (``distributed.plan_sync``); block i applies layer i's decisions.
@@ -32,6 +35,13 @@ DIST_METHODS = ("gc", "store-all", "hilore")
 
 #: ``--quick``: the tiny model at a short sequence.
 DIST_QUICK = {"model": "tiny", "batch": 4, "seq_len": 64, "steps": 3}
+
+
+#: Every method compiles fresh in every rank. Also sidesteps a failure seen
+#: with hilore under FSDP2 (small model): Inductor's cache key pickles a tensor
+#: constant of a lazily compiled backward graph whose storage FSDP has freed
+#: ("tolist() shouldn't be called on a tensor with unallocated storage").
+NO_INDUCTOR_CACHE = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,60 +104,67 @@ def _prepare(method: str, model: torch.nn.Module, config: DistBenchConfig,
     raise ValueError(f"unknown method {method!r}; methods: {', '.join(DIST_METHODS)}")
 
 
-def rank_main(rank: int, world: int, config_json: str, method: str) -> dict[str, Any]:
-    """One rank of one method: build, compile, shard, warm up, measure."""
+def _setup(method: str, config: DistBenchConfig, rank: int, world: int, device: torch.device):
+    """Build, compile and shard one method's model; returns (one update, what to report)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..distributed import shard_blocks
+    from ..distributed.blocks import fsdp_weight_bytes
     from ..grpo import GRPOConfig, UpdateConfig, actor_update
     from ..models import build_model
+
+    model = build_model(config.model, seed=config.seed, device=device)
+    batch = rank_batch(config, rank, model.config.vocab_size)
+    batch = dataclasses.replace(batch, **{f: getattr(batch, f).to(device) for f in
+                                          ("input_ids", "response_mask", "old_logprobs", "advantages")})
+    info = {"weights": fsdp_weight_bytes(model, world), **_prepare(method, model, config, batch)}
+    shard_blocks(model, init_device_mesh(device.type, (world,)))
+    update = UpdateConfig(microbatch_size=1, n_buckets=config.hilore_buckets)
+    return (lambda: actor_update(model, None, batch, GRPOConfig(), update=update)), info
+
+
+def rank_main(rank: int, world: int, config_json: str) -> dict[str, Any]:
+    """One rank: every method set up and warmed up, then measured updates alternating by round."""
     from .measure import measure_step
 
     config = DistBenchConfig(**{k: tuple(v) if isinstance(v, list) else v
                                 for k, v in json.loads(config_json).items()})
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() and config.backend != "gloo"
                           else "cpu")
-    model = build_model(config.model, seed=config.seed, device=device)
-    batch = rank_batch(config, rank, model.config.vocab_size)
-    batch = dataclasses.replace(batch, **{f: getattr(batch, f).to(device) for f in
-                                          ("input_ids", "response_mask", "old_logprobs", "advantages")})
-    from ..distributed.blocks import fsdp_weight_bytes
-
-    info = {"weights": fsdp_weight_bytes(model, world), **_prepare(method, model, config, batch)}
-    shard_blocks(model, init_device_mesh(device.type, (world,)))
-    update = UpdateConfig(microbatch_size=1, n_buckets=config.hilore_buckets)
-    reports: list[Any] = []
-
-    def step() -> None:
-        reports.append(actor_update(model, None, batch, GRPOConfig(), update=update))
-
-    warm = measure_step(step, device)  # compiles
-    samples = [measure_step(step, device) for _ in range(config.steps)]
-    measured = reports[1:]
-    return {"rank": rank, "compile_s": warm.seconds,
-            "peak_bytes": max(s.peak_bytes for s in samples),
-            "tokens_per_s": statistics.median(r.tokens_per_s for r in measured),
-            "microbatches": measured[-1].microbatches, "run_buckets": measured[-1].run_buckets,
-            "skipped": measured[-1].samples_skipped, **info}
+    steps, out, reports = {}, {}, {m: [] for m in config.methods}
+    for method in config.methods:
+        update, info = _setup(method, config, rank, world, device)
+        steps[method] = lambda m=method, u=update: reports[m].append(u())
+        out[method] = {"rank": rank, "compile_s": measure_step(steps[method], device).seconds,
+                       "peaks": [], **info}
+    for _ in range(config.steps):  # alternating: load from other jobs hits every method alike
+        for method in config.methods:
+            out[method]["peaks"].append(measure_step(steps[method], device).peak_bytes)
+    for method, r in out.items():
+        measured = reports[method][1:]
+        r.update(peak_bytes=max(r.pop("peaks")),
+                 tokens_per_s=statistics.median(x.tokens_per_s for x in measured),
+                 microbatches=measured[-1].microbatches, run_buckets=measured[-1].run_buckets,
+                 skipped=measured[-1].samples_skipped)
+    return out
 
 
 def run_dist_bench(config: DistBenchConfig, progress=lambda m: None) -> dict[str, Any]:
-    """Every method in its own spawn of ``config.nproc`` ranks; results by method."""
+    """Every method in one spawn of ``config.nproc`` ranks, alternating; results by method."""
     from ..distributed import RankFailed, spawn
     from .measure import MMAP_THRESHOLD_ENV
 
-    results: dict[str, Any] = {}
-    text = json.dumps(dataclasses.asdict(config))
-    for method in config.methods:
-        progress(f"{method}: {config.nproc} ranks")
-        try:
-            ranks = spawn(rank_main, config.nproc, text, method, backend=config.backend,
-                          threads=config.threads, env=MMAP_THRESHOLD_ENV, timeout_s=1800)
-            results[method] = {"status": "ok", "ranks": ranks}
-        except RankFailed as e:
-            last = str(e).strip().splitlines()[-1]
-            results[method] = {"status": "failed", "error": last}
-            progress(f"{method} failed: {last}")
+    progress(f"{', '.join(config.methods)}: {config.nproc} ranks, {config.steps} alternating rounds")
+    try:
+        ranks = spawn(rank_main, config.nproc, json.dumps(dataclasses.asdict(config)),
+                      backend=config.backend, threads=config.threads,
+                      env={**MMAP_THRESHOLD_ENV, **NO_INDUCTOR_CACHE}, timeout_s=3600)
+        results = {m: {"status": "ok", "ranks": [r[m] for r in ranks]} for m in config.methods}
+    except RankFailed as e:
+        last = str(e).strip().splitlines()[-1]
+        progress(f"failed: {last}")
+        results = {m: {"status": "failed", "error": last, "traceback": str(e)[-6000:]}
+                   for m in config.methods}
     return {"config": dataclasses.asdict(config), "torch": torch.__version__, "methods": results}
 
 
@@ -178,6 +195,8 @@ def run_command(args: Any) -> int:
     for name in ("model", "batch", "seq_len", "seed", "threads", "hilore_budget"):
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
+    if getattr(args, "steps_per_round", None) is not None:
+        values["steps"] = args.steps_per_round  # measured updates per method
     if args.methods:
         values["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if getattr(args, "device", None) == "cpu":

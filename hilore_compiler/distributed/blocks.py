@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,6 +102,23 @@ def _block_compilers(plan: Plan | None, options: dict[str, Any], n_blocks: int) 
     return out
 
 
+def _check_recompile_limit(graphs: int) -> None:
+    """Warn when the blocks need more dynamo graphs than dynamo keeps per code object.
+
+    Every block runs the same ``forward`` code, and dynamo caches at most
+    ``recompile_limit`` graphs for one code object; blocks past it would run
+    eagerly. The limit is the user's global setting, so it is named, not changed.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    if graphs > dynamo_config.recompile_limit:
+        warnings.warn(
+            f"hilore: the plan gives the blocks {graphs} distinct decision sets (one dynamo graph "
+            f"each) but torch._dynamo.config.recompile_limit is {dynamo_config.recompile_limit}: "
+            "blocks beyond it run eagerly; raise the limit to at least the number of blocks",
+            stacklevel=3)
+
+
 def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *,
                    backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True) -> list[Any]:
     """Compile every decoder block of ``model`` on its own, in place; returns each block's backend.
@@ -125,6 +143,7 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *
 
             plan = load_plan(plan)
         compilers, kwargs = _block_compilers(plan, options, len(blocks)), {}
+        _check_recompile_limit(len({id(c) for c in compilers}))
     else:
         compilers, kwargs = [backend] * len(blocks), ({"options": options} if options else {})
     for i, block in enumerate(blocks):

@@ -161,4 +161,8 @@ def test_graph_breaks_are_traced_and_reported():
         result = trace(_Breaking(), [ids], config=CONFIG)
     assert any("graph breaks" in str(w.message) for w in caught)
     assert result.graph_breaks
-    assert {u.layer for u in result.units} >= {0, 1}
+    # Both graphs contribute units; layer 0 saves only a view of the
+    # embedding's output, which is the embedding's unit (one memory, one unit).
+    assert any(u.key.startswith("g1/") for u in result.units)
+    assert any(not u.key.startswith("g1/") for u in result.units)
+    assert 1 in {u.layer for u in result.units}

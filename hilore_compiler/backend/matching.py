@@ -11,9 +11,12 @@ for most of the units it shares was made for another model and is refused.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..passes.annotate import UnitNodes
+import torch.fx as fx
+
+from ..passes.annotate import UnitNodes, distinct_storage
 from ..passes.apply import PlanMismatchError
 from ..planfile import Plan
 
@@ -57,9 +60,14 @@ def _split(key: str) -> tuple[str, str]:
 
 
 def unit_nbytes(unit: UnitNodes) -> int:
-    """Bytes of a unit's saved tensors in this (static-shape) graph."""
+    """Bytes of a unit's saved memory in this (static-shape) graph."""
+    return nodes_nbytes(unit.saved)
+
+
+def nodes_nbytes(nodes: Iterable[fx.Node]) -> int:
+    """Bytes of the memory ``nodes`` hold, each storage once (static shapes)."""
     total = 0
-    for node in unit.saved:
+    for node in distinct_storage(nodes):
         val = node.meta["val"]
         total += int(val.numel()) * val.element_size()
     return total

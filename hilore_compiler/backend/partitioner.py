@@ -24,7 +24,7 @@ from ..passes.annotate import is_activation
 from ..passes.apply import apply_decisions
 from ..passes.capture import saved_output_names
 
-from .matching import unit_nbytes
+from .matching import nodes_nbytes, unit_nbytes
 
 if TYPE_CHECKING:
     from .planning import GraphPlanner
@@ -50,17 +50,13 @@ class PartitionRecord:
 
 
 def saved_tensor_bytes(fw: fx.GraphModule, num_fwd_outputs: int, joint: fx.GraphModule) -> int:
-    """Bytes of the activations a forward graph hands to backward.
+    """Bytes of the activations a forward graph hands to backward, each memory once.
 
     Graph inputs and values hoisted from backward (``is_activation`` false in
     the joint graph) are not counted: no plan changes them.
     """
     saved = saved_output_names(fw, num_fwd_outputs)
-    total = 0
-    for node in joint.graph.nodes:
-        if node.name in saved and is_activation(node):
-            total += node.meta["val"].numel() * node.meta["val"].element_size()
-    return total
+    return nodes_nbytes(n for n in joint.graph.nodes if n.name in saved and is_activation(n))
 
 
 def graph_flops(gm: fx.GraphModule) -> int:

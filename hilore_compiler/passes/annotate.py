@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -216,7 +217,10 @@ def annotate_units(joint: fx.GraphModule, saved_names: set[str], prefix: str = "
     saved_nodes = [n for n in graph.nodes if n.name in saved_names and is_activation(n)]
     groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in saved_nodes:
-        groups[_unit_root(node)].append(node)
+        # A saved view and its base are one memory, so one unit, keyed by the
+        # op that owns the memory: whether min-cut saves the base, a view of
+        # it or both (symbolic and static graphs differ here), the key is one.
+        groups[_unit_root(storage_root(node))].append(node)
     index = _stable_indices(graph)
     stops = set(saved_nodes)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -237,6 +241,17 @@ def annotate_units(joint: fx.GraphModule, saved_names: set[str], prefix: str = "
         ))
     _check_unique(units)
     return units
+
+
+def distinct_storage(nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """One node per memory among ``nodes``: the owner of each storage when it
+    is a computed tensor, else the first of its views."""
+    by_root: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        root = storage_root(node)
+        owner = root if is_activation(root) else node
+        by_root.setdefault(root, owner)
+    return list(by_root.values())
 
 
 def _check_unique(units: list[UnitNodes]) -> None:

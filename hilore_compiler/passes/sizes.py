@@ -13,6 +13,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .annotate import distinct_storage
 from ..tracefile import B, S, eval_size
 
 
@@ -66,8 +67,8 @@ def shape_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> tupl
 
 
 def total_nbytes(nodes: Iterable[fx.Node], symbols: dict[sympy.Symbol, sympy.Symbol]) -> sympy.Expr:
-    """Bytes of all tensors ``nodes`` produce."""
-    return sum((nbytes_expr(n, symbols) for n in nodes), sympy.Integer(0))
+    """Bytes of the memory ``nodes`` hold: a view and its base count once."""
+    return sum((nbytes_expr(n, symbols) for n in distinct_storage(nodes)), sympy.Integer(0))
 
 
 def largest(exprs: Iterable[sympy.Expr], batch: int, seq_len: int) -> sympy.Expr:

@@ -4,7 +4,7 @@ Inductor's graph caches (FX graph, AOTAutograd) are off so every compile
 runs the hilore partitioner (a cache hit would skip it and leave nothing to
 inspect); its C++ kernel cache stays on, so a kernel many tests generate is
 compiled once. The backend's zero-config plans go to a per-session folder,
-not ~/.cache.
+not ~/.cache. Dynamo's per-frame recompile limit is raised (see below).
 """
 
 import os
@@ -13,3 +13,13 @@ import tempfile
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 os.environ.setdefault("HILORE_CACHE_DIR", tempfile.mkdtemp(prefix="hilore-test-cache-"))
+
+
+def pytest_configure(config):
+    import torch._dynamo
+
+    # Dynamo caches compiled frames per code object and, past the limit,
+    # silently runs a frame eagerly: the suite compiles the same model
+    # classes (a Llama forward, a TRL backbone) with many backends in one
+    # process, far more often than a training job does.
+    torch._dynamo.config.recompile_limit = 64

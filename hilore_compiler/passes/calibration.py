@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .capture import inductor_partition
+from .capture import fresh_code, inductor_partition
 from .partition import partition_with_decisions
 from ..tracefile import RecoveryUnit, Trace
 from ..vocabulary import STORE, compress
@@ -59,7 +59,7 @@ def _grab_graph(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[
     def calibrated(*args: Any) -> Any:
         return model(*args)
 
-    torch.compile(calibrated, backend=grab, dynamic=False)(*example_inputs)
+    torch.compile(fresh_code(calibrated), backend=grab, dynamic=False)(*example_inputs)
     if len(grabbed) != 1:
         raise RuntimeError(f"calibration needs a model without graph breaks, found {len(grabbed)} graphs")
     return grabbed[0]

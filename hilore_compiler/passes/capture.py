@@ -309,7 +309,7 @@ def capture_joint_graphs(
     def traced(*args: Any, **kw: Any) -> Any:
         return model(*args, **kw)
 
-    torch.compile(traced, backend=backend)(*example_inputs, **kwargs)
+    torch.compile(fresh_code(traced), backend=backend)(*example_inputs, **kwargs)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
     if breaks or len(captures) > 1:
         reasons = list(torch._dynamo.utils.counters["graph_break"])[-max(breaks, 1):]
@@ -321,6 +321,17 @@ def capture_joint_graphs(
     if not captures:
         raise RuntimeError("torch.compile produced no training graph for this model")
     return captures
+
+
+def fresh_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own.
+
+    Dynamo caches compiled frames per code object and stops compiling one
+    after ``recompile_limit`` entries: a wrapper defined once and compiled for
+    every trace in a process would silently stop being captured.
+    """
+    fn.__code__ = fn.__code__.replace()
+    return fn
 
 
 def _mark_first_dynamic(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:

@@ -4,19 +4,20 @@ A profiling-then-planning compiler pass over torch.compile graphs. Modules in
 pipeline order:
 
 - ``models/``        built-in Llama- and GPT-style policies (random weights).
-- ``passes/capture`` the AOT joint graph torch.compile builds, and what min-cut saves.
+- ``passes/capture`` the joint graph Inductor hands its partitioner, and what min-cut saves.
 - ``passes/annotate`` saved activations -> recovery units with stable keys.
-- ``passes/profile`` each unit's cost to store, compress or recompute.
-- ``tracer``         the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
+- ``passes/profile`` each unit's cost to store, compress or recompute (``passes/costmodel``: rooflines).
+- ``passes/tracer``  the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
 - ``sizeexpr``       sizes of B and S: a whitelisted grammar, parsed with ast, never eval'd.
 - ``validate``       one pass over a loaded trace or plan before anything plans with it.
-- ``calibration``    measured gradient sensitivity per (unit kind, codec).
-- ``solver/``        one ILP per exposure bucket (PuLP + CBC) -> ``Plan`` (``planfile``).
-- ``planning``       where the backend's plan comes from (given, cached, solved now).
-- ``passes/apply``   tag MUST_SAVE / MUST_RECOMPUTE, insert codec encode/decode.
-- ``partitioner``    the custom partitioner Inductor calls per bucket.
-- ``backend``        ``torch.compile(model, backend="hilore")``.
-- ``runtime``        ``exposure(bucket)``: which compiled variant runs.
+- ``passes/calibration`` measured gradient sensitivity per (unit kind, codec).
+- ``vocabulary``     the shared words: options, bucket names and interval rule, exposure units.
+- ``solver/``        the ILP over exposure buckets (PuLP + CBC) -> ``Plan`` (``planfile``).
+- ``passes/apply``   tag MUST_SAVE / MUST_RECOMPUTE, insert codec encode/decode;
+  ``passes/partition``: apply, then min-cut.
+- ``backend/``       ``torch.compile(model, backend="hilore")``: options, planning (given,
+  cached, or made on the joint graph), plan matching, the partitioner Inductor
+  calls per bucket, and ``runtime``'s ``exposure(bucket)``.
 - ``grpo/``          GRPO loss, token coefficients, exposure, buckets, actor update.
 - ``bench/``, ``evaluation/``  throughput/memory benchmark and fidelity checks.
 - ``distributed/``   per-block compile (``compile_blocks``), FSDP2, one plan on every rank.

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 #: ``node.meta`` key the graph emitter stamps on every node it inserts, with
 #: value ``"<codec>.encode"`` or ``"<codec>.decode"``, so later passes and
 #: ``hilore show`` can tell codec ops from model ops.
-CODEC_META_KEY = "hilore_codec"
+from ..vocabulary import CODEC_META_KEY  # noqa: E402  (the shared word, re-exported)
 
 #: A tensor (eager) or an fx node (graph).
 Value = Union[torch.Tensor, torch.fx.Node]

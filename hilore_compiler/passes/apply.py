@@ -25,12 +25,11 @@ from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import codecs as codec_registry
+from ..vocabulary import CODEC_META_KEY, COMPRESS_PREFIX as COMPRESS, RECOMPUTE, STORE
 from .annotate import UnitNodes, frontier_keys, is_backward, storage_root
 
-STORE, RECOMPUTE, COMPRESS = "store", "recompute", "compress:"
-
 #: node.meta key naming the codec node a rewrite inserted (for inspection).
-CODEC_META = "hilore_codec"
+CODEC_META = CODEC_META_KEY
 
 
 class PlanMismatchError(ValueError):

@@ -63,7 +63,7 @@ class ActorBenchConfig:
 
     model: str = "small"
     #: Prompt + response tokens per sample.
-    seq_len: int = 512
+    seq_len: int = 256
     prompt_len: int = 64
     #: Groups (prompts) x samples per group = the batch.
     groups: int = 8

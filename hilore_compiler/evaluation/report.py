@@ -142,7 +142,7 @@ def format_plans(plans: dict[str, Any]) -> str:
                  f"({plans['control_memory_bytes'] / tight:.3f}x the tight budget)")
     if "blind_memory_bytes" in plans:
         lines.append(f"control hilore-blind (same memory and error budget, one plan for every bucket) "
-                     f"predicted memory {plans['blind_memory_bytes']} bytes; tight plan's buckets "
+                     f"predicted memory {plans['blind_memory_bytes']} bytes; trained arm {plans['trained']}'s buckets "
                      f"{'differ' if plans['buckets_differ'] else 'are identical'}; predicted whole-update "
                      "error " + ", ".join(f"{n} {e:.2e}" for n, e in plans["predicted_error"].items()))
     return "\n".join(lines)

@@ -9,8 +9,9 @@ Order of work (each step reports on stderr):
 3. compile the arms: hilore at each budget, the exposure-blind control at the
    same memory and error budget, blind int8, and store-all (Inductor's rounding alone);
 4. gradient fidelity of every compiled arm per bucket (``fidelity``);
-5. paired training: exact, hilore at the tight budget, and the exposure-blind
-   control at the same memory and error budget (``training``).
+5. paired training: exact, hilore (at the tight budget, or the planned one if
+   the tight plan's buckets collapsed), and the exposure-blind control at the
+   same memory and error budget (``training``).
 """
 
 from __future__ import annotations
@@ -142,6 +143,21 @@ def _warm_up(arm: arms_mod.Arm, config: EvalConfig) -> float:
     return time.perf_counter() - start
 
 
+def _distinct(plan: Plan) -> int:
+    """How many different plans the nonzero buckets have."""
+    return len({b.decisions for b in plan.buckets if not b.skip})
+
+
+def trained_arm(plans: dict[str, Plan]) -> str:
+    """The hilore arm that trains: the tight one, unless its buckets collapsed to
+    one plan (at the smallest feasible budget only the top bucket's plan fits)
+    and the planned budget's differ: exposure conditioning must be in the run."""
+    if _distinct(plans["hilore-tight"]) == 1 and "hilore-planned" in plans \
+            and _distinct(plans["hilore-planned"]) > 1:
+        return "hilore-planned"
+    return "hilore-tight"
+
+
 def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[str, arms_mod.Arm], dict[str, Any]]:
     """Solve the plans and compile one arm per distinct plan; returns arms and plan info."""
     from ..solver import parse_risk_budget
@@ -155,7 +171,9 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
     plans = {"hilore-tight": tight}
     if planned.budget_bytes != tight.budget_bytes:
         plans["hilore-planned"] = planned
-    plans["hilore-blind"] = arms_mod.blind_plan(trace, tight.budget, risk_budget=risk, buckets=config.buckets)
+    trained = trained_arm(plans)
+    plans["hilore-blind"] = arms_mod.blind_plan(trace, plans[trained].budget, risk_budget=risk,
+                                                buckets=config.buckets)
     plans["blind-int8"] = arms_mod.uniform_plan(trace, tight, "int8", "blind-int8")
     plans["store-all"] = arms_mod.uniform_plan(trace, tight, None, "store-all")
     arms, compile_s = {}, {}
@@ -171,7 +189,7 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
             "compile_seconds": compile_s,
             "control_memory_bytes": plans["blind-int8"].buckets[-1].memory_bytes,
             "blind_memory_bytes": plans["hilore-blind"].buckets[-1].memory_bytes,
-            "buckets_differ": len({b.decisions for b in tight.buckets if not b.skip}) > 1,
+            "trained": trained, "buckets_differ": _distinct(plans[trained]) > 1,
             "predicted_error": {n: math.sqrt(sum(b.risk for b in p.buckets if not b.skip))
                                 for n, p in plans.items()},
             "arm_budgets": {n: p.budget for n, p in plans.items()}}
@@ -220,7 +238,7 @@ def _run(config: EvalConfig, say: Progress) -> dict[str, Any]:
     timings["fidelity_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    tight = compiled["hilore-tight"]
+    tight = compiled[plan_info["trained"]]
     batch_size = config.train.prompts_per_step * config.train.group_size
     run_setup = RunSetup(task=config.task, train=config.train, grpo=grpo, update=update,
                          buckets=plan_buckets(tight.plan, batch_size), model=config.model)

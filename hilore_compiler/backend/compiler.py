@@ -12,7 +12,6 @@ planned is compiled by plain Inductor, with a warning (``strict`` raises).
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch.fx as fx
 
 from ..jsonio import FormatError
 from ..passes.apply import PlanMismatchError
+from ..passes.capture import light_copy
 from ..planfile import Plan
 from .matching import default_bucket
 from .options import BackendOptions
@@ -131,8 +131,9 @@ def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], partitio
     from torch._inductor.compile_fx import compile_fx
 
     patches = {} if partitioner is None else {"custom_partitioner_fn": partitioner}
-    # compile_fx traces the module again; a copy keeps variants independent.
-    return compile_fx(copy.deepcopy(gm), list(example_inputs), config_patches=patches)
+    # compile_fx may rewrite the graph it is given: each variant gets its own
+    # graph, over the very parameters and constants of ``gm`` (light_copy).
+    return compile_fx(light_copy(gm), list(example_inputs), config_patches=patches)
 
 
 def _dispatcher(compiled: CompiledGraph) -> Callable[..., Any]:

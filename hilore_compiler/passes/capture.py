@@ -55,18 +55,22 @@ def saved_output_names(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
     return {o.name for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)}
 
 
-def light_copy(joint: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``joint``'s graph that shares its module and constants.
+def light_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph over the same module: parameters, buffers and
+    constants are shared, never copied.
 
     ``copy.deepcopy`` would copy the tensor constants a joint graph holds
     (Hugging Face cache code leaves real ``_tensor_constant`` tensors there),
-    which fails under Inductor's fake mode; min-cut only rewrites the graph,
-    so a new graph over the same module is all it needs.
+    which fails under Inductor's fake mode, and would give a dynamo graph
+    copies of parameters FSDP later frees or the optimizer never updates.
+    Passes only rewrite the graph, so a new graph is all they need.
     """
     graph = fx.Graph()
-    output, output_node = graph.graph_copy(joint.graph, {}, return_output_node=True)
+    output, output_node = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(output).meta = dict(output_node.meta)
-    return fx.GraphModule(joint, graph)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta = dict(getattr(gm, "meta", {}))
+    return copied
 
 
 def default_partition(joint: fx.GraphModule, joint_inputs: Sequence[object],
@@ -199,13 +203,11 @@ def capture_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], cap
     ``gm`` itself is not changed (Inductor works on a copy) and no code is
     generated: the compile stops inside the partitioner.
     """
-    import copy
-
     from torch._inductor.compile_fx import compile_fx
 
     partitioner = RecordingPartitioner(captures, lifted_args(gm, example_inputs), record_values)
     try:
-        compile_fx(copy.deepcopy(gm), list(example_inputs), config_patches={"custom_partitioner_fn": partitioner})
+        compile_fx(light_copy(gm), list(example_inputs), config_patches={"custom_partitioner_fn": partitioner})
     except CaptureDone:
         return
     raise RuntimeError("Inductor compiled the graph without partitioning it: it has no backward pass")

@@ -1,0 +1,61 @@
+"""The zero-config plan cache heals itself and never stops a compile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hilore_compiler.backend import BackendOptions, HiLoReBackend
+from hilore_compiler.backend.cache import PlanCache, default_cache_dir
+from hilore_compiler.backend.planning import HiLoReWarning
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def _compile_step(model: nn.Module, backend: HiLoReBackend) -> None:
+    torch.compile(model, backend=backend, dynamic=False)(torch.randn(4, 8)).pow(2).mean().backward()
+
+
+def test_empty_cache_env_means_the_default(monkeypatch):
+    monkeypatch.setenv("HILORE_CACHE_DIR", "")
+    assert default_cache_dir() == str(Path.home() / ".cache" / "hilore")
+    assert BackendOptions().cache_dir == default_cache_dir()
+
+
+def test_a_file_as_cache_folder_plans_without_a_cache(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    options = BackendOptions(cache_dir=str(blocker), verbose=False)
+    with pytest.warns(HiLoReWarning, match="planning without a cache"):
+        cache = PlanCache.open(options.cache_dir, "key", options)
+    assert cache.folder is None and cache.load_plan() is None
+
+
+def test_unwritable_cache_still_compiles_and_plans(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    backend = HiLoReBackend({"cache_dir": str(blocker / "sub"), "codecs": [], "buckets": 1, "verbose": False})
+    with pytest.warns(HiLoReWarning, match="planning without a cache"):
+        _compile_step(_mlp(), backend)
+    (graph,) = backend.graphs
+    assert graph.plan is not None  # planned all the same
+
+
+def test_a_corrupt_cached_plan_is_moved_aside_and_made_anew(tmp_path):
+    options = {"cache_dir": str(tmp_path), "codecs": [], "buckets": 1, "verbose": False}
+    _compile_step(_mlp(), HiLoReBackend(options))
+    (plan_file,) = tmp_path.glob("*.plan.json")
+    plan_file.write_text(plan_file.read_text()[:40])  # truncated, as by a full disk
+    torch._dynamo.reset()
+    again = HiLoReBackend(options)
+    with pytest.warns(HiLoReWarning, match="unreadable"):
+        _compile_step(_mlp(), again)
+    assert again.graphs[0].plan is not None
+    assert list(tmp_path.glob("*.plan.json.corrupt-*"))  # the user's file is kept, aside
+    assert plan_file.exists() and len(plan_file.read_text()) > 40  # and a good plan written

@@ -15,29 +15,9 @@ import tempfile
 import time
 
 import torch
-import transformers
 
 from hilore_compiler import HiLoReBackend
-
-DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa")
-
-
-def build(arch: str, vocab: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-    }[arch]
-    extra = {"head_dim": 16} if arch == "gemma" else {}
-    return model_cls(config_cls(vocab_size=vocab, **DECODER, **extra))
-
+from hilore_compiler.models.hf import HF_ARCHS, build_hf_model
 
 def step(model: torch.nn.Module, run, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
     """Gradient of one forward + backward, and its wall time."""
@@ -50,14 +30,14 @@ def step(model: torch.nn.Module, run, batch: dict[str, torch.Tensor]) -> tuple[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", nargs="+", default=["llama", "qwen2", "mistral", "gemma", "gpt2"])
+    parser.add_argument("--archs", nargs="+", default=list(HF_ARCHS), choices=HF_ARCHS)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
     args = parser.parse_args()
     print(f"{'arch':<8} {'rel. L2 vs eager':>16} {'recomputed':>10} {'inductor s':>10} {'hilore s':>9}")
     for arch in args.archs:
-        model = build(arch, args.vocab)
+        model = build_hf_model(arch, vocab_size=args.vocab, hidden=64, intermediate=128, max_positions=256)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         eager, _ = step(model, model, batch)

@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hilore_compiler.backend import HiLoReBackend  # noqa: E402
+from hilore_compiler.models.hf import build_hf_model  # noqa: E402
 from hilore_compiler.backend.planning import HiLoReWarning  # noqa: E402
 from hilore_compiler.passes.tracer import TraceConfig, trace  # noqa: E402
 from hilore_compiler.solver import fixed_plan, solve, uniform_codec  # noqa: E402
@@ -24,27 +25,10 @@ CONFIG = TraceConfig(repeats=1, warmup=0, verbose=False, codecs=("bf16", "int8")
 #: in a few cheap pointwise units that min-cut treats differently when sizes
 #: are symbolic (GPT-2's LayerNorm adds); the Llama family matches exactly.
 STATIC = dataclasses.replace(CONFIG, dynamic=False)
-DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-               attn_implementation="sdpa")
 
 
 def build(arch: str, use_cache: bool = True) -> torch.nn.Module:
-    """A tiny random model of ``arch``; dropout off so gradients compare exactly."""
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         attn_implementation="sdpa", use_cache=use_cache)
-        return transformers.GPT2LMHeadModel(config)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-    }[arch]
-    extra = {"head_dim": 8} if arch == "gemma" else {}
-    return model_cls(config_cls(**DECODER, **extra, use_cache=use_cache))
+    return build_hf_model(arch, vocab_size=VOCAB, use_cache=use_cache)
 
 
 def inputs() -> dict[str, torch.Tensor]:

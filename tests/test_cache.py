@@ -59,3 +59,27 @@ def test_a_corrupt_cached_plan_is_moved_aside_and_made_anew(tmp_path):
     assert again.graphs[0].plan is not None
     assert list(tmp_path.glob("*.plan.json.corrupt-*"))  # the user's file is kept, aside
     assert plan_file.exists() and len(plan_file.read_text()) > 40  # and a good plan written
+
+
+def test_compiles_with_inductors_graph_caches_on(tmp_path):
+    # Users run with Inductor's caches on: their keys pickle the partitioner,
+    # which must stay cheap and tensor-free (the suite runs with them off).
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    backend = HiLoReBackend({"cache_dir": str(tmp_path), "codecs": [], "buckets": 1, "verbose": False,
+                             "strict": True})
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
+        _compile_step(_mlp(), backend)
+    (graph,) = backend.graphs
+    assert graph.plan is not None and graph.records[0].matched == graph.records[0].units > 0
+
+
+def test_the_partitioner_pickles_to_its_identity_not_its_tensors():
+    import pickle
+    from types import SimpleNamespace
+
+    from hilore_compiler.backend.partitioner import PlanPartitioner
+
+    planner = SimpleNamespace(plan_known=False, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
+    assert len(pickle.dumps(PlanPartitioner(planner, None, []))) < 200

@@ -129,6 +129,13 @@ class PlanPartitioner(CustomPartitionerFn):
         # and is None (no caching) while the plan is made inside the call.
         return self._uuid
 
+    def __reduce__(self) -> tuple:
+        # Inductor's FX graph cache pickles its config, this object included,
+        # into the key of every graph it compiles: pickle the plan's identity,
+        # never the planner's real tensors (costly to hash, and freed by FSDP
+        # by the time a lazily compiled backward is keyed).
+        return str, (f"hilore-partitioner:{self._uuid}",)
+
 
 def _source_digest() -> str:
     h = hashlib.sha256()

@@ -183,6 +183,10 @@ class RecordingPartitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None  # never cache: the point is to run
 
+    def __reduce__(self) -> tuple:
+        # Inductor pickles its config into cache keys: not the real tensors held here.
+        return str, ("hilore-recording-partitioner",)
+
 
 def lifted_args(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """What AOTAutograd calls the graph with: parameters and buffers it lifts

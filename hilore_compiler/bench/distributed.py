@@ -37,10 +37,11 @@ DIST_METHODS = ("gc", "store-all", "hilore")
 DIST_QUICK = {"model": "tiny", "batch": 4, "seq_len": 64, "steps": 3}
 
 
-#: Every method compiles fresh in every rank. Also sidesteps a failure seen
-#: with hilore under FSDP2 (small model): Inductor's cache key pickles a tensor
-#: constant of a lazily compiled backward graph whose storage FSDP has freed
-#: ("tolist() shouldn't be called on a tensor with unallocated storage").
+#: Every method compiles fresh in every rank, so no method is timed off
+#: another's cached kernels. (This once also hid a failure: Inductor's cache
+#: keys pickled the hilore partitioner's real tensors, freed by FSDP by the
+#: time a lazily compiled backward was keyed; partitioners now pickle to
+#: their identity.)
 NO_INDUCTOR_CACHE = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 
 

@@ -12,8 +12,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,9 +24,7 @@ from ..passes.apply import apply_decisions
 from ..passes.capture import saved_output_names
 
 from .matching import nodes_nbytes, unit_nbytes
-
-if TYPE_CHECKING:
-    from .planning import GraphPlanner
+from .planning import GraphPlanner, code_digest
 
 
 @dataclass(slots=True)
@@ -99,7 +96,7 @@ class PlanPartitioner(CustomPartitionerFn):
         # for exactly this plan and bucket. Unknown: never serve a cached one.
         self._uuid = None
         if planner.plan_known:
-            payload = json.dumps([planner.plan.fingerprint, planner.plan.to_json(), bucket, _SOURCE_DIGEST],
+            payload = json.dumps([planner.plan.fingerprint, planner.plan.to_json(), bucket, code_digest()],
                                  sort_keys=True, default=str)
             self._uuid = hashlib.sha256(payload.encode()).hexdigest()
 
@@ -135,14 +132,3 @@ class PlanPartitioner(CustomPartitionerFn):
         # never the planner's real tensors (costly to hash, and freed by FSDP
         # by the time a lazily compiled backward is keyed).
         return str, (f"hilore-partitioner:{self._uuid}",)
-
-
-def _source_digest() -> str:
-    h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-#: A partition made by other hilore code must not be served from Inductor's cache.
-_SOURCE_DIGEST = _source_digest()

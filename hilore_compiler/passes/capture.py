@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .annotate import is_backward, storage_root
+from .sizes import size_hint
 
 
 @dataclass(slots=True)
@@ -110,15 +111,10 @@ class _ForwardRecorder(fx.Interpreter):
         return out
 
 
-def _hint(dim: int | torch.SymInt) -> int:
-    """A size's value at this compile, read without adding a shape guard."""
-    return dim.node.hint if isinstance(dim, torch.SymInt) else int(dim)
-
-
 def _matches(fake: object, real: object) -> bool:
     if isinstance(fake, torch.Tensor):
         return (isinstance(real, torch.Tensor) and fake.dtype == real.dtype and fake.device == real.device
-                and [_hint(d) for d in fake.shape] == list(real.shape))
+                and [size_hint(d) for d in fake.shape] == list(real.shape))
     return not isinstance(real, torch.Tensor)
 
 
@@ -126,11 +122,11 @@ def _stand_in(fake: object) -> object:
     """A real value shaped like ``fake``: random floats, zeros for integers
     (always a valid index), the hint of a symbolic int."""
     if isinstance(fake, torch.Tensor):
-        shape = [_hint(d) for d in fake.shape]
+        shape = [size_hint(d) for d in fake.shape]
         if fake.is_floating_point():
             return torch.randn(shape, dtype=fake.dtype, device=fake.device)
         return torch.zeros(shape, dtype=fake.dtype, device=fake.device)
-    return _hint(fake) if isinstance(fake, torch.SymInt) else fake
+    return size_hint(fake) if isinstance(fake, torch.SymInt) else fake
 
 
 def primal_values(primals: Sequence[object], real_args: Sequence[object] | None) -> tuple[list[object], bool]:
@@ -142,7 +138,7 @@ def primal_values(primals: Sequence[object], real_args: Sequence[object] | None)
     right shapes are used, which time the same and only shift codec errors.
     """
     if real_args is not None and len(real_args) == len(primals) and all(map(_matches, primals, real_args)):
-        return [a.detach() if isinstance(a, torch.Tensor) else _hint(a) if isinstance(a, torch.SymInt) else a
+        return [a.detach() if isinstance(a, torch.Tensor) else size_hint(a) if isinstance(a, torch.SymInt) else a
                 for a in real_args], False
     return [_stand_in(p) for p in primals], True
 

@@ -38,10 +38,10 @@ def shape_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
     lead = next((v.shape[:2] for v in tensors if any(isinstance(_expr(d), sympy.Symbol) for d in v.shape[:2])), None)
     if lead is None:
         return {}
-    hints = [_hint(d) for d in lead]
+    hints = [size_hint(d) for d in lead]
     mapping = {}
     for val in tensors:
-        if [_hint(d) for d in val.shape[:2]] != hints:
+        if [size_hint(d) for d in val.shape[:2]] != hints:
             continue
         for dim, name in zip(val.shape[:2], (B, S)):
             if isinstance(_expr(dim), sympy.Symbol):
@@ -49,7 +49,8 @@ def shape_symbols(graph: fx.Graph) -> dict[sympy.Symbol, sympy.Symbol]:
     return mapping
 
 
-def _hint(dim: int | torch.SymInt) -> int:
+def size_hint(dim: int | torch.SymInt) -> int:
+    """A size's value at this compile, read without adding a shape guard."""
     return dim.node.hint if isinstance(dim, torch.SymInt) else int(dim)
 
 

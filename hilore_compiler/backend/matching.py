@@ -101,13 +101,15 @@ def match_plan(plan: Plan, bucket: str | None, units: list[UnitNodes], batch: in
 
 def _same_sizes(plan: Plan, prefix: str, shared: list[str], graph: dict[str, UnitNodes]) -> list[str]:
     """The shared keys whose sizes agree; refuses a plan for another model."""
-    sizes = {u.key: u.bytes for u in plan.units}
-    differ = [k for k in shared if sizes.get(prefix + k, unit_nbytes(graph[k])) != unit_nbytes(graph[k])]
+    planned = {u.key: u.bytes for u in plan.units}
+    actual = {k: unit_nbytes(graph[k]) for k in shared}
+    differ = [k for k in shared if planned.get(prefix + k, actual[k]) != actual[k]]
     if shared and len(differ) * 2 >= len(shared):
         key = differ[0]
         raise PlanMismatchError(
             f"the plan was made for another model: {len(differ)} of the {len(shared)} units it shares with "
-            f"this graph differ in size (e.g. {prefix + key}: {sizes[prefix + key]} bytes in the plan, "
-            f"{unit_nbytes(graph[key])} in this graph). Make the plan from a trace of this model"
+            f"this graph differ in size (e.g. {prefix + key}: {planned[prefix + key]} bytes in the plan, "
+            f"{actual[key]} in this graph). Make the plan from a trace of this model"
         )
-    return [k for k in shared if k not in differ]
+    differing = set(differ)
+    return [k for k in shared if k not in differing]

@@ -12,6 +12,9 @@ Modules in pipeline order:
 - ``buckets``: exposure buckets (``"zero"``, ``"b0"`` ... ``"b{n-1}"``).
 - ``update``: one actor update, microbatched by bucket under
   ``runtime.exposure(bucket)``, with full-batch normalisation.
+- ``step``: ``compiled_step``, the whole actor step (forward, log-probs, loss)
+  compiled as one graph, so the planner sees the logits' memory too;
+  optionally with chunked log-probs.
 """
 
 from .advantages import group_advantages
@@ -25,6 +28,7 @@ from .coefficients import (
 )
 from .config import LOSS_TYPES, SCALE_REWARDS, GRPOConfig, GRPOLossConfig, trl_unsupported
 from .loss import grpo_loss, k3_kl, per_token_loss, token_weights
+from .step import compiled_step, step_fn
 from .update import (
     RolloutBatch,
     UpdateConfig,
@@ -48,6 +52,7 @@ __all__ = [
     "UpdateReport",
     "actor_update",
     "bucket_names",
+    "compiled_step",
     "exposure_before_backward",
     "exposure_before_forward",
     "exposure_buckets",
@@ -58,6 +63,7 @@ __all__ = [
     "plan_buckets",
     "plan_update",
     "sample_exposure",
+    "step_fn",
     "token_coefficients",
     "token_coefficients_before_forward",
     "token_logprobs",

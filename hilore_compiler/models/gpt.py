@@ -143,6 +143,10 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T); position t sees tokens 0..t only."""
+        return self.lm_head(self.hidden_states(input_ids))  # (B, T, V)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden state (B, T, C): ``forward`` is ``lm_head`` of it."""
         T = input_ids.shape[1]
         # A symbolic-friendly bound check: under mark_dynamic it becomes a range
         # assertion on T instead of specialising the graph to one length. The
@@ -152,4 +156,4 @@ class GPTModel(nn.Module):
         x = self.emb_dropout(self.wte(input_ids) + self.wpe(pos))  # (B, T, C)
         for block in self.layers:
             x = block(x)  # (B, T, C)
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return self.ln_f(x)  # (B, T, C)

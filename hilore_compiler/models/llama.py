@@ -200,10 +200,18 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T); position t sees tokens 0..t only."""
+        return self.lm_head(self.hidden_states(input_ids))  # (B, T, V)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final (normed) hidden state (B, T, C): ``forward`` is ``lm_head`` of it.
+
+        For losses that apply ``lm_head`` themselves, chunk by chunk
+        (``models.logprobs.chunked_token_logprobs``).
+        """
         T = input_ids.shape[1]
         cfg = self.config
         cos, sin = rotary_cos_sin(T, cfg.head_dim, cfg.rope_theta, input_ids.device)  # (T, hd)
         x = self.embed_tokens(input_ids)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin)  # (B, T, C)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+        return self.norm(x)  # (B, T, C)

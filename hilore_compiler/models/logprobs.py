@@ -9,13 +9,19 @@ predict the token at position t + 1, so
 for t in 0 .. T-2. The output therefore has T - 1 columns; column t belongs to
 token t + 1. The first token has no log-prob (nothing predicts it) and the
 logits of the last position predict nothing inside the sequence.
+
+``chunked_token_logprobs`` computes the same values from the final hidden
+state and the lm_head weight, a chunk of tokens at a time under
+``torch.utils.checkpoint``: no (B, T, V) logits tensor is alive at once, in
+forward or backward; each chunk's logits are recomputed in backward.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["token_logprobs", "response_logprobs"]
+__all__ = ["chunked_token_logprobs", "token_logprobs", "response_logprobs"]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -43,6 +49,49 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     target = input_ids[:, 1:].unsqueeze(-1)  # (B, T-1, 1)
     picked = pred.gather(-1, target).squeeze(-1)  # (B, T-1)
     return picked - torch.logsumexp(pred, dim=-1)  # (B, T-1)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Log-probs of ``target`` (n,) under the logits ``hidden (n, C) @ weight.T``, at least fp32."""
+    logits = hidden @ weight.t()  # (n, V), the model's dtype, as lm_head computes it
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (n, V)
+    picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (n,)
+    return picked - torch.logsumexp(logits, dim=-1)  # (n,)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, input_ids: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """``token_logprobs(hidden @ lm_head_weight.T, input_ids)``, ``chunk_tokens`` tokens at a time.
+
+    Args:
+        hidden: (B, T, C) final hidden state (after the last norm).
+        lm_head_weight: (V, C) output projection without bias (tied or not).
+        input_ids: (B, T) the tokens that produced ``hidden``.
+        chunk_tokens: tokens per chunk (of the B * (T - 1) predicting
+            positions); the last chunk may be shorter.
+
+    Returns:
+        (B, T-1) in at least fp32, equal to the unchunked log-probs up to
+        matmul summation order; gradients likewise.
+
+    Each chunk runs under non-reentrant ``torch.utils.checkpoint``: forward
+    keeps only the chunk's hidden rows (its inputs), and backward recomputes
+    the chunk's (chunk, V) logits, so the largest vocabulary-sized tensors
+    alive are one chunk's logits and their gradient, not the (B, T-1, V) ones.
+    Under ``torch.compile`` the chunks become checkpointed regions that the
+    partitioner recomputes.
+    """
+    if hidden.shape[:2] != input_ids.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    B, T, C = hidden.shape
+    pred = hidden[:, :-1].reshape(B * (T - 1), C)  # (N, C): row b*(T-1)+t predicts token t+1 of b
+    target = input_ids[:, 1:].reshape(B * (T - 1))  # (N,)
+    parts = [checkpoint(_chunk_logprobs, h, lm_head_weight, y, use_reentrant=False)
+             for h, y in zip(pred.split(chunk_tokens), target.split(chunk_tokens))]
+    return torch.cat(parts).view(B, T - 1)  # (B, T-1)
 
 
 def response_logprobs(

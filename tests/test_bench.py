@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from hilore_compiler.bench.measure import (
     gradient_fidelity,
     measure_step,
 )
-from hilore_compiler.bench.methods import Checkpointed, uniform_plan, wrap_layers
+from hilore_compiler.bench.methods import (
+    METHODS,
+    Checkpointed,
+    MethodOptions,
+    prepare_method,
+    uniform_plan,
+    wrap_layers,
+)
+from hilore_compiler.bench.paired import geometric_interval, paired_ratio, t_quantile_975
 from hilore_compiler.bench.report import (
     MEMORY_CEILING,
     Spread,
@@ -24,8 +33,8 @@ from hilore_compiler.bench.report import (
     to_json,
 )
 from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun, run_bench
-from hilore_compiler.bench.search import Probe, choose, search_budget
-from hilore_compiler.bench.worker import actor_step, flat_grad, make_data
+from hilore_compiler.bench.search import Probe, choose, grid, search_budget
+from hilore_compiler.bench.worker import Worker, WorkerConfig, actor_step, flat_grad, make_data
 from hilore_compiler.cli import build_parser
 from hilore_compiler.commands.bench import config_from_args
 from hilore_compiler.grpo import GRPOConfig
@@ -107,6 +116,39 @@ def test_uniform_plan_compresses_every_unit_where_int8_is_usable():
     assert "recompute" not in dict(bucket.decisions).values()
 
 
+def test_hilore_blind_is_hilore_with_one_bucket(tmp_path):
+    options = MethodOptions(hilore_budget="1.10x-gc", hilore_buckets=3, hilore_cache_dir=str(tmp_path))
+    backends = {name: prepare_method(name, build_model("tiny", seed=0), options).backend
+                for name in ("hilore", "hilore-blind")}  # torch.compile is lazy: nothing compiles
+    hilore, blind = backends["hilore"].options, backends["hilore-blind"].options
+    assert (hilore.buckets, blind.buckets) == (3, 1)
+    assert (blind.memory_budget, blind.codecs) == (hilore.memory_budget, hilore.codecs)
+    assert METHODS.index("hilore-blind") == METHODS.index("hilore") + 1
+
+
+def test_bf16_worker_config_round_trips_and_steps_with_fp32_logprobs():
+    config = WorkerConfig(method="store-all", model="tiny", batch=2, seq_len=16, seed=0, device="cpu",
+                          warmup=0, options=MethodOptions(), dtype="bfloat16")
+    assert WorkerConfig.from_json(config.to_json()) == config
+    worker = Worker(config)  # builds model and data; the compiled policy is not called
+    assert {p.dtype for p in worker.model.parameters()} == {torch.bfloat16}
+    logits = worker.model(worker.data.input_ids)
+    assert logits.dtype == torch.bfloat16 and token_logprobs(logits, worker.data.input_ids).dtype == torch.float32
+    actor_step(worker.model, worker.data, worker.loss_config)  # one eager bf16 step
+    assert flat_grad(worker.model).isfinite().all()
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        BenchConfig(dtype="float16")
+
+
+def test_tinyllama_8l_builds_on_meta_with_tinyllama_shapes():
+    model = build_model("tinyllama-8l", device="meta", dtype=torch.bfloat16)
+    c, v, layers, inter, kv = 2048, 32000, 8, 5632, 4 * (2048 // 32)  # 4 kv heads of head_dim 64
+    per_layer = 2 * c * c + 2 * c * kv + 3 * c * inter + 2 * c  # q, o; k, v; SwiGLU; two RMSNorms
+    assert sum(p.numel() for p in model.parameters()) == 2 * v * c + c + layers * per_layer  # 483,428,352
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert (model.config.n_kv_heads, model.config.max_seq_len, model.config.rope_theta) == (4, 4096, 10000.0)
+
+
 # --- budget search ---------------------------------------------------------
 
 class _FakeWorker:
@@ -122,22 +164,27 @@ class _FakeRun:
         self.budget, self.worker, self.error = budget, _FakeWorker(), None
 
 
-def test_budget_bisection_keeps_the_largest_peak_that_fits():
-    runs, workers = [], {}
+def test_budget_grid_keeps_the_fastest_probe_that_fits_non_monotone_peaks():
+    runs = []
 
     def probe(budget):
         runs.append(_FakeRun(budget))
-        workers[budget] = runs[-1].worker
         return runs[-1]
 
-    def peak(run):  # peak grows with the budget, as the knapsack intends
-        return 10.0 + 100.0 * run.budget
-
-    kept, record = search_budget(probe, peak, target_bytes=45.0, probes=4, progress=lambda m: None)
-    assert [p.budget for p in record.probes] == [0.5, 0.25, 0.375, 0.3125]
-    assert kept.budget == record.chosen == 0.3125
+    # Peaks as measured on CPU: not monotone in the budget. Seconds fall with
+    # the budget (less recompute); 0.875 is fastest but does not fit.
+    peaks = {0.125: 252.8, 0.375: 224.9, 0.625: 275.9, 0.875: 229.0}
+    seconds = {0.125: 1.3, 0.375: 1.2, 0.625: 1.0, 0.875: 0.9}
+    kept, record = search_budget(probe, lambda r: peaks[r.budget], lambda r: seconds[r.budget],
+                                 target_bytes=225.0, probes=4, progress=lambda m: None)
+    assert grid(4) == [p.budget for p in record.probes] == [0.125, 0.375, 0.625, 0.875]
+    # 0.375 (224.9) and 0.875 (229.0 <= 225 x 1.02) fit; 0.875 is faster.
+    assert kept.budget == record.chosen == 0.875
     assert kept.worker and not kept.worker.closed
-    assert all(workers[r.budget].closed and r.worker is None for r in runs if r is not kept)
+    assert all(r.worker is None for r in runs if r is not kept)  # the others were closed
+    assert record.to_json()["probes"][1] == {"budget": 0.375, "peak_bytes": 224.9, "seconds": 1.2,
+                                             "error": None}
+    assert grid(1) == [0.5]
 
 
 def test_choose_falls_back_to_the_smallest_peak():
@@ -145,12 +192,49 @@ def test_choose_falls_back_to_the_smallest_peak():
               Probe(budget=0.1, peak_bytes=None, error="boom")]
     assert choose(probes, target_bytes=50.0, tolerance=0.02).budget == 0.25
     assert choose(probes[2:], target_bytes=50.0, tolerance=0.02) is None
+    fast_and_fits = Probe(budget=0.9, peak_bytes=50.0, seconds=0.5)
+    assert choose(probes + [fast_and_fits, Probe(budget=0.1, peak_bytes=40.0, seconds=0.9)],
+                  target_bytes=50.0, tolerance=0.02) is fast_and_fits
+
+
+# --- paired speed ratios ------------------------------------------------------
+
+def test_geometric_interval_of_known_log_ratios():
+    # log ratios 0.1, 0.2, 0.3: mean 0.2, sd 0.1, n 3, t(0.975, 2) = 4.303.
+    pr = geometric_interval([math.exp(0.1), math.exp(0.2), math.exp(0.3)])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert pr.rounds == 3 and pr.ratio == pytest.approx(math.exp(0.2))
+    assert (pr.low, pr.high) == pytest.approx((math.exp(0.2 - half), math.exp(0.2 + half)))
+    assert pr.format() == "1.22x [0.95, 1.57]"
+    assert geometric_interval([1.5]).low is None and geometric_interval([]) is None
+    assert t_quantile_975(7) == 2.365 and t_quantile_975(1000) == pytest.approx(1.96, abs=1e-3)
+
+
+def test_paired_ratio_pairs_round_medians():
+    def steps(seconds_by_round):
+        return [StepSample(seconds=s, peak_bytes=0, round=r) for r, ss in enumerate(seconds_by_round) for s in ss]
+
+    # Round 1 is slow for both (a busy machine): pairing cancels it, ratio 2 every round.
+    fast = steps([[1.0, 1.0, 5.0], [3.0, 3.0]]) + [StepSample(seconds=9.0, peak_bytes=0)]  # warm-up: ignored
+    slow = steps([[2.0, 2.0], [6.0, 6.0], [1.0]])  # round 2: fast did not run it
+    pr = paired_ratio(fast, slow, tokens=100)
+    assert pr.rounds == 2 and pr.ratio == pytest.approx(2.0) and pr.low == pytest.approx(2.0)
 
 
 # --- report ----------------------------------------------------------------
 
 def _run(method: str, seconds: float, peak_mb: float, cosine: float = 1.0) -> MethodRun:
     samples = [StepSample(seconds=seconds * f, peak_bytes=int(peak_mb * 1e6)) for f in (0.9, 1.0, 1.1)]
+    return MethodRun(method=method, samples=samples, warmup=samples[:1], compile_s=1.0,
+                     fidelity={"cosine": cosine, "rel_l2": 1e-3})
+
+
+def _rounds_run(method: str, seconds: float, peak_mb: float, cosine: float = 1.0) -> MethodRun:
+    """Three rounds of one step each: the machine slows down round by round for every method,
+    plus 0-2% noise of the method's own (a function of its name's length)."""
+    samples = [StepSample(seconds=seconds * f * (1 + 0.01 * ((r + len(method)) % 3)),
+                          peak_bytes=int(peak_mb * 1e6), round=r)
+               for r, f in enumerate((0.9, 1.0, 1.1))]
     return MethodRun(method=method, samples=samples, warmup=samples[:1], compile_s=1.0,
                      fidelity={"cosine": cosine, "rel_l2": 1e-3})
 
@@ -180,6 +264,29 @@ def test_report_ratios_targets_and_recovery():
     assert MEMORY_CEILING == 1.10
 
 
+def test_report_pairs_rounds_and_marks_fitting_methods():
+    config = BenchConfig(model="tiny", batch=2, seq_len=128)
+    blind = _rounds_run("hilore-blind", 1.8, 104)
+    blind.info["predicted_peak_bytes"] = 98e6
+    runs = (_rounds_run("gc", 2.0, 100), _rounds_run("hilore", 1.5, 105), blind, _rounds_run("sac", 1.2, 160))
+    report = summarise(BenchRun(config=config, device="cpu", runs=runs, budget_search=None, run_dir=None))
+    stats = {s.method: s for s in report.stats}
+    h = stats["hilore"].paired_vs_gc
+    assert h.rounds == 3 and h.ratio == pytest.approx(2.0 / 1.5, rel=0.02) and 1.0 < h.low < h.ratio < h.high
+    assert (stats["sac"].fits_ceiling, stats["hilore-blind"].fits_ceiling) == (False, True)
+    speed, vs_best = report.targets[1], report.targets[2]
+    assert speed.lower_bound_above_1 is True and "lower bound above 1.0" in speed.detail
+    assert "(HiLoRe blind)" in vs_best.name and vs_best.value == pytest.approx(1.8 / 1.5)
+    table = format_table(report)
+    assert f"{h.format()}" in table and "98.0" in table  # hilore-blind's predicted peak
+    hilore_row = next(line for line in table.splitlines() if line.startswith("HiLoRe "))
+    assert " yes " in hilore_row and " - " in hilore_row  # fits; no predicted peak
+    payload = json.loads(json.dumps(to_json(report)))
+    hilore = next(m for m in payload["methods"] if m["method"] == "hilore")
+    assert hilore["paired_vs_gc"]["rounds"] == 3 and hilore["samples"][0]["round"] == 0
+    assert payload["targets"][1]["interval"] == pytest.approx([h.low, h.high])
+
+
 def test_report_table_and_json():
     report = _report()
     table = format_table(report)
@@ -204,13 +311,14 @@ def test_png_is_written(tmp_path):
 def test_cli_defaults_are_the_full_configuration():
     config = config_from_args(build_parser().parse_args(["bench"]))
     assert (config.model, config.batch, config.seq_len) == ("small", 2, 2048)
-    assert config.hilore_budget == "1.10x-gc" and len(config.methods) == 6
+    assert config.hilore_budget == "1.10x-gc" and "hilore-blind" in config.methods and config.dtype == "float32"
 
 
 def test_cli_quick_and_explicit_options():
-    args = build_parser().parse_args(["bench", "--quick", "--methods", "gc, store-all", "--repeats", "7"])
+    args = build_parser().parse_args(["bench", "--quick", "--methods", "gc, store-all", "--repeats", "7",
+                                      "--dtype", "bfloat16"])
     config = config_from_args(args)
-    assert (config.model, config.seq_len, config.repeats) == ("tiny", 128, 7)
+    assert (config.model, config.seq_len, config.repeats, config.dtype) == ("tiny", 128, 7, "bfloat16")
     assert config.methods == ("gc", "store-all")
     with pytest.raises(ValueError, match="unknown or no methods"):
         config_from_args(build_parser().parse_args(["bench", "--methods", "nope"]))
@@ -234,6 +342,7 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
     for r in runs.values():
         # At this size a step may fit in pages the process already holds: peak >= 0, not > 0.
         assert len(r.samples) == 2 and all(s.seconds > 0 and s.peak_bytes >= 0 for s in r.samples)
+        assert [s.round for s in r.samples] == [0, 1]  # tagged for the paired ratios
         assert r.info["mmap_threshold_set"] and r.info["threads"] == 1
     assert runs["store-all"].fidelity["cosine"] == pytest.approx(1.0)
     # Recompute is deterministic: GC's gradient is store-all's up to fp32 reordering.

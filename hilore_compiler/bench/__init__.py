@@ -5,10 +5,13 @@ Modules in the order a run uses them:
 - ``measure``: time and peak memory of one step (CPU: VmHWM - VmRSS with the
   high-water mark reset; CUDA: max_memory_allocated), gradient fidelity.
 - ``methods``: how each method compiles the policy (store-all, GC, selective
-  AC, PyTorch's memory-budget partitioner, uniform int8, HiLoRe).
+  AC, PyTorch's memory-budget partitioner, uniform int8, HiLoRe and its
+  one-bucket, exposure-blind variant).
 - ``worker``: one process per method, driven over a pipe: the fixed batch,
   the GRPO actor step, setup and measured steps.
-- ``search``: bisection of PyTorch's activation_memory_budget to HiLoRe's peak.
+- ``search``: a grid over PyTorch's activation_memory_budget: the fastest
+  budget whose peak fits HiLoRe's.
 - ``runner``: spawns the workers, sets them up, alternates them in rounds.
+- ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
 - ``report``: statistics, the paper's targets, table, JSON and PNG.
 """

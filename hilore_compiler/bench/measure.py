@@ -37,6 +37,8 @@ class StepSample:
     seconds: float
     #: Peak bytes the step added over what the process held before it.
     peak_bytes: int
+    #: The round of alternation it was measured in (runner); None: warm-up.
+    round: int | None = None
 
 
 def status_bytes(field: str) -> int:

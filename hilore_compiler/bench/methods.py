@@ -14,6 +14,9 @@ in what the backward pass gets to keep:
   recovery unit int8 can encode and stores the rest: compression without
   exposure or cost awareness.
 - ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``.
+- ``hilore-blind``: the same backend, budget and codecs with one exposure
+  bucket: int8/bf16 compression mixed with recompute, blind to exposure;
+  the strongest exposure-blind competitor at HiLoRe's memory.
 
 The token log-probs and the GRPO loss run eagerly after the compiled policy,
 as ``grpo.actor_update`` runs them, identically for every method.
@@ -44,7 +47,7 @@ from ..vocabulary import to_plan_exposure
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
-METHODS = ("store-all", "gc", "sac", "hilore", "uniform-int8", "pt-budget")
+METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-int8", "pt-budget")
 
 #: How the report names each method.
 LABELS = {
@@ -54,10 +57,14 @@ LABELS = {
     "pt-budget": "PT mem-budget",
     "uniform-int8": "uniform int8",
     "hilore": "HiLoRe",
+    "hilore-blind": "HiLoRe blind",
 }
 
 #: Methods that run the hilore backend (and so pick an exposure bucket).
-HILORE_BACKENDS = ("hilore", "uniform-int8")
+HILORE_BACKENDS = ("hilore", "hilore-blind", "uniform-int8")
+
+#: Exposure buckets of ``hilore-blind``: one plan for every batch, exposure ignored.
+BLIND_BUCKETS = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,10 +201,10 @@ class UniformCodecBackend:
         return self.inner(gm, example_inputs)
 
 
-def _hilore_options(options: MethodOptions) -> dict[str, Any]:
+def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[str, Any]:
     return {"memory_budget": options.hilore_budget, "codecs": options.hilore_codecs,
-            "buckets": options.hilore_buckets, "cache_dir": options.hilore_cache_dir,
-            "verbose": options.verbose}
+            "buckets": options.hilore_buckets if buckets is None else buckets,
+            "cache_dir": options.hilore_cache_dir, "verbose": options.verbose}
 
 
 def prepare_method(name: str, model: nn.Module, options: MethodOptions) -> PreparedMethod:
@@ -219,9 +226,9 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions) -> Prepa
     if name in HILORE_BACKENDS:
         from ..backend import HiLoReBackend
 
-        hilore = _hilore_options(options)
-        backend = (HiLoReBackend(hilore) if name == "hilore"
-                   else UniformCodecBackend(hilore, options.uniform_codec))
+        hilore = _hilore_options(options, BLIND_BUCKETS if name == "hilore-blind" else None)
+        backend = (UniformCodecBackend(hilore, options.uniform_codec) if name == "uniform-int8"
+                   else HiLoReBackend(hilore))
         return PreparedMethod(name=name, policy=torch.compile(model, backend=backend), backend=backend)
     raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
 

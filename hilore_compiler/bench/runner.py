@@ -17,6 +17,7 @@ persist there across runs (faster, for repeated runs of one configuration).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,6 +38,9 @@ from .worker import WorkerConfig
 
 Progress = Callable[[str], None]
 
+#: Parameter dtypes ``--dtype`` accepts (names of ``torch`` dtypes).
+DTYPES = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
@@ -49,8 +53,9 @@ class BenchConfig:
     seq_len: int = 2048
     #: Methods to run (see ``methods.METHODS``); set up in the order of METHODS.
     methods: tuple[str, ...] = METHODS
-    #: Rounds of alternation.
-    repeats: int = 5
+    #: Rounds of alternation; each gives one paired speed ratio per method
+    #: (report.py), so 8 rounds put 7 degrees of freedom in its t-interval.
+    repeats: int = 8
     #: Measured steps per method per round.
     steps_per_round: int = 2
     #: Measured steps right after compiling, not counted in the rounds
@@ -66,10 +71,12 @@ class BenchConfig:
     hilore_budget: str = "1.10x-gc"
     #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
     pt_budget: float | None = None
-    #: Processes (compiles) the pt-budget search may spend.
+    #: Budgets the pt-budget search tries (``search.grid``), one process (compile) each.
     budget_probes: int = 4
     #: Persistent cache directory; None: a fresh temporary one per run.
     cache_dir: str | None = None
+    #: Parameter dtype of the policy (``DTYPES``); log-probs and loss stay fp32.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -84,6 +91,8 @@ class BenchConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:
             raise ValueError(f"pt_budget must be in [0, 1], got {self.pt_budget}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 #: ``--quick``: the whole pipeline on the tiny policy in a few minutes of compiling.
@@ -207,7 +216,7 @@ class Launcher:
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,
                               seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
                               warmup=self.config.warmup, options=options, grad_path=grad_path,
-                              threads=self.config.threads)
+                              threads=self.config.threads, dtype=self.config.dtype)
         run = MethodRun(method=method, grad_path=grad_path)
         self.progress(f"{name}: compiling and warming up")
         try:
@@ -233,10 +242,19 @@ def describe(samples: list[StepSample]) -> str:
 
 def warm_peak(run: MethodRun | None) -> float | None:
     """Median warm-up peak bytes of a method that set up, else None."""
+    return _warm_median(run, "peak_bytes")
+
+
+def warm_seconds(run: MethodRun | None) -> float | None:
+    """Median warm-up step seconds of a method that set up, else None."""
+    return _warm_median(run, "seconds")
+
+
+def _warm_median(run: MethodRun | None, field_name: str) -> float | None:
     if run is None or run.status != "ok" or not run.warmup:
         return None
-    peaks = sorted(s.peak_bytes for s in run.warmup)
-    return float(peaks[len(peaks) // 2])
+    values = sorted(getattr(s, field_name) for s in run.warmup)
+    return float(values[len(values) // 2])
 
 
 def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | None:
@@ -263,7 +281,8 @@ def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progres
             except WorkerError as e:
                 run.fail(e, progress)
                 continue
-            run.samples += [StepSample(**s) for s in reply["samples"]]
+            # Tagged with the round: the report pairs each method's round with GC's.
+            run.samples += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
         done = ", ".join(f"{run.method} {describe(run.samples)}" for run in live if run.worker)
         progress(f"round {r + 1}/{config.repeats}: {done}")
 
@@ -281,7 +300,7 @@ def _pt_budget(launcher: Launcher, runs: dict[str, MethodRun],
     def probe(budget: float) -> MethodRun:
         return launcher.start("pt-budget", tag=f"@{budget:g}", budget=budget)
 
-    return search_budget(probe, warm_peak, target_bytes=target, probes=config.budget_probes,
+    return search_budget(probe, warm_peak, warm_seconds, target_bytes=target, probes=config.budget_probes,
                          progress=progress)
 
 
@@ -290,7 +309,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
     device = resolve_device(config.device)
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-bench-"))
     launcher = Launcher(config, device, run_dir, progress)
-    progress(f"{config.model}, batch {config.batch}, seq_len {config.seq_len} on {device}; "
+    progress(f"{config.model}, batch {config.batch}, seq_len {config.seq_len}, {config.dtype} on {device}; "
              f"workers' logs and caches in {run_dir}")
     runs: dict[str, MethodRun] = {}
     search = None

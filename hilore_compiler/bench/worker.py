@@ -55,6 +55,9 @@ class WorkerConfig:
     #: CPU shared with other jobs fewer threads than cores avoids OpenMP
     #: threads waiting on each other at every barrier.
     threads: int | None = None
+    #: Parameter dtype of the policy (``float32`` or ``bfloat16``); token
+    #: log-probs and the loss stay fp32 (``token_logprobs`` upcasts).
+    dtype: str = "float32"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -99,7 +102,8 @@ class Worker:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.device = torch.device(config.device)
-        self.model = build_model(config.model, seed=config.seed, device=self.device)
+        self.model = build_model(config.model, seed=config.seed, device=self.device,
+                                 dtype=getattr(torch, config.dtype))
         vocab = self.model.config.vocab_size
         self.data = make_data(vocab, config.batch, config.seq_len, config.seed, self.device)
         self.loss_config = GRPOConfig()

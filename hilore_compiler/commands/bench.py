@@ -13,7 +13,7 @@ RESULTS_DIR = Path("bench") / "results"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench.methods import METHODS
-    from ..bench.runner import BenchConfig, QUICK
+    from ..bench.runner import DTYPES, BenchConfig, QUICK
 
     d = BenchConfig()
     p = subparsers.add_parser(
@@ -37,12 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, help=f"steps after compiling, not in the rounds (default {d.warmup})")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} (default all)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"(default {d.device})")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help=f"parameter dtype of the policy; log-probs and loss stay fp32 (default {d.dtype})")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's)")
     p.add_argument("--hilore-budget", help=f"HiLoRe's memory budget (default {d.hilore_budget})")
     p.add_argument("--pt-budget", type=float,
                    help="fixed activation_memory_budget for pt-budget (default: searched to HiLoRe's peak)")
     p.add_argument("--budget-probes", type=int,
-                   help=f"processes the pt-budget search may use (default {d.budget_probes})")
+                   help=f"budgets the pt-budget search tries, one process each, spread over [0, 1]; "
+                        f"the fastest whose peak fits HiLoRe's is kept (default {d.budget_probes})")
     p.add_argument("--seed", type=int, help=f"weights and batch seed (default {d.seed})")
     p.add_argument("--cache-dir", help="persistent Inductor and hilore caches, shared by later runs "
                                        "(default: fresh per run; clear it after changing hilore, whose "

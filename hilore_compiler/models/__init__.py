@@ -56,6 +56,15 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336,
         max_seq_len=8192, rope_theta=500000.0,
     ),
+    # TinyLlama-1.1B's shapes cut to 8 layers (0.48e9 parameters): the
+    # GPU bench policy, e.g. ``hilore bench --device cuda --dtype bfloat16
+    # --model tinyllama-8l --batch 8 --seq-len 2048``; real kernel sizes
+    # (hidden 2048, GQA 32/4, SwiGLU 5632) at a depth one GPU holds with
+    # store-all. Far too slow for CPUs: CPU tests only build it on meta.
+    "tinyllama-8l": LlamaConfig(
+        vocab_size=32000, hidden=2048, n_layers=8, n_heads=32, n_kv_heads=4, intermediate=5632,
+        max_seq_len=4096, rope_theta=10000.0,
+    ),
     # The second architecture at tiny size: catches passes that assume Llama.
     "gpt-tiny": GPTConfig(
         vocab_size=256, hidden=64, n_layers=2, n_heads=4, intermediate=256, max_seq_len=256

@@ -7,7 +7,10 @@ Modules:
 
 Every model maps ``input_ids (B, T)`` to ``logits (B, T, V)``, keeps its
 config in ``.config`` and names its layer stack ``layers`` (an
-``nn.ModuleList``), so module fqns read ``layers.<i>.mlp...``.
+``nn.ModuleList``), so module fqns read ``layers.<i>.mlp...``. The logits are
+``model.lm_head(model.hidden_states(input_ids))`` (``lm_head`` has no bias),
+so a loss can apply the output projection itself, chunk by chunk
+(``chunked_token_logprobs``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import nn
 
 from hilore_compiler.models.gpt import GPTConfig, GPTModel
 from hilore_compiler.models.llama import LlamaConfig, LlamaModel
-from hilore_compiler.models.logprobs import response_logprobs, token_logprobs
+from hilore_compiler.models.logprobs import chunked_token_logprobs, response_logprobs, token_logprobs
 
 __all__ = [
     "GPTConfig",
@@ -29,6 +32,7 @@ __all__ = [
     "MODEL_CONFIGS",
     "ModelConfig",
     "build_model",
+    "chunked_token_logprobs",
     "model_names",
     "response_logprobs",
     "token_logprobs",
@@ -49,6 +53,13 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     # B=1 ~1.05 s, B=2 ~2.1 s (median after warm-up; up to 1.5 s under load).
     "small": LlamaConfig(
         vocab_size=2048, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, intermediate=688,
+        max_seq_len=4096,
+    ),
+    # small with Llama-3's vocabulary (68.6M parameters, 65.7M of them in embedding
+    # and lm_head): the loss side (logits, their fp32 copy, their gradients)
+    # holds most of a step's memory. On CPU meant for seq_len <= 512.
+    "small-v128k": LlamaConfig(
+        vocab_size=128256, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, intermediate=688,
         max_seq_len=4096,
     ),
     # Llama-3-8B shapes: only ever built on the meta device (about 8.0e9 parameters).

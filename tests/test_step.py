@@ -1,0 +1,130 @@
+"""The whole actor step compiled as one graph (grpo.compiled_step): exact
+gradients through the hilore backend on the built-in Llama and GPT and on a
+Hugging Face Llama, the lm_head and log-prob region planned as recovery units,
+and chunked log-probs that equal the unchunked ones without ever making the
+(N, V) logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hilore_compiler.backend import HiLoReBackend
+from hilore_compiler.grpo import GRPOConfig, compiled_step, step_fn
+from hilore_compiler.grpo.step import hidden_states, output_weight
+from hilore_compiler.models import build_model, chunked_token_logprobs, token_logprobs
+
+BATCH, SEQ, CHUNK = 2, 16, 8
+LOSS = GRPOConfig()
+
+
+def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (BATCH, SEQ), generator=g)  # (B, T)
+    return ids, torch.randn(BATCH, generator=g), torch.ones(BATCH, SEQ - 1)
+
+
+def step_grads(model: torch.nn.Module, step, vocab: int) -> torch.Tensor:
+    ids, adv, mask = batch(vocab)
+    with torch.no_grad():
+        old = token_logprobs(_logits(model, ids), ids) - 0.05  # off-policy: ratio != 1
+    model.zero_grad(set_to_none=True)
+    step(ids, old, adv, mask).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def hf_llama() -> torch.nn.Module:
+    pytest.importorskip("transformers")
+    from hilore_compiler.models.hf import build_hf_model
+
+    return build_hf_model("llama", vocab_size=64, layers=1, use_cache=False)
+
+
+#: name -> (build, vocab, chunk_tokens of the compiled step); one layer where two add nothing:
+#: compiles are the cost (two for tiny, whose 1.0x-gc plan must recompute something).
+MODELS = {
+    "tiny": (lambda: build_model("tiny"), 256, None),
+    "gpt-tiny": (lambda: build_model("gpt-tiny", n_layers=1), 256, CHUNK),
+    "hf-llama": (hf_llama, 64, CHUNK),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def compiled(request):
+    """One whole-step compile per model, store/recompute only, at a budget that forces recompute."""
+    build, vocab, chunk = MODELS[request.param]
+    model = build()
+    backend = HiLoReBackend({"codecs": [], "memory_budget": "1.0x-gc", "buckets": 1, "verbose": False})
+    step = compiled_step(model, LOSS, backend=backend, chunk_tokens=chunk)
+    got = step_grads(model, step, vocab)
+    want = step_grads(model, step_fn(model, LOSS), vocab)  # eager, unchunked
+    return request.param, backend, got, want
+
+
+def test_compiled_step_gradients_are_exact(compiled):
+    name, backend, got, want = compiled
+    assert len(backend.graphs) == 1, f"{name}: the step broke into {len(backend.graphs)} graphs"
+    assert rel_l2(got, want) < 1e-4
+
+
+def test_loss_side_is_planned(compiled):
+    name, backend, _, _ = compiled
+    (graph,) = backend.graphs
+    keys = [u.key for u in graph.plan.units]
+    # The log-softmax statistics and the loss live at the top level of the step function.
+    assert any(k.startswith("<top>:") for k in keys), keys
+    if name == "tiny":  # unchunked: the (N, V) logits are the lm_head unit
+        (head,) = [u for u in graph.plan.units if u.key.startswith("lm_head:")]
+        assert head.bytes == BATCH * SEQ * 256 * 4
+        assert graph.records[0].counts["recompute"] > 0  # 1.0x-gc: something is recomputed
+
+
+class LargestOutput(TorchDispatchMode):
+    """Elements of the largest logits-like tensor any op produces: last dim ``vocab``,
+    not the (C, V) transposed lm_head weight or its gradient."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden = vocab, hidden
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.shape[-1:] == (self.vocab,) and t.shape != (self.hidden, self.vocab):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt-tiny"])
+def test_chunked_logprobs_equal_unchunked_without_full_logits(name):
+    vocab = 320  # unlike any other width of these models (gpt-tiny's MLP is 256 wide)
+    model = build_model(name, vocab_size=vocab)
+    ids, _, _ = batch(vocab)
+    weight = output_weight(model)
+    seen = {}
+    for chunk in (None, CHUNK):
+        model.zero_grad(set_to_none=True)
+        with LargestOutput(vocab, model.config.hidden) as largest:
+            h = hidden_states(model, ids)  # (B, T, C)
+            lp = (token_logprobs(model.lm_head(h), ids) if chunk is None
+                  else chunked_token_logprobs(h, weight, ids, chunk))  # (B, T-1)
+            (lp * torch.linspace(-1, 1, SEQ - 1)).sum().backward()
+        seen[chunk] = lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), largest.numel
+    (lp, grad, full), (lp_c, grad_c, largest_c) = seen[None], seen[CHUNK]
+    torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
+    assert rel_l2(grad_c, grad) < 1e-5
+    # Measured, forward and backward: the unchunked path makes (B, T, V)
+    # logits (and their gradient); the chunked one one chunk's at most.
+    assert full >= BATCH * (SEQ - 1) * vocab
+    assert largest_c == CHUNK * vocab

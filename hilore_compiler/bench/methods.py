@@ -19,7 +19,15 @@ in what the backward pass gets to keep:
   the strongest exposure-blind competitor at HiLoRe's memory.
 
 The token log-probs and the GRPO loss run eagerly after the compiled policy,
-as ``grpo.actor_update`` runs them, identically for every method.
+as ``grpo.actor_update`` runs them, identically for every method, except in
+the step methods, which compile the whole actor step as one graph
+(``grpo.compiled_step``: forward, fp32 log-probs, loss) and are only run when
+named with ``--methods``:
+
+- ``gc-chunked``: ``gc`` plus chunked log-probs (``chunk_tokens`` tokens at a
+  time under checkpoint, so no (B, T, V) logits tensor is alive), no planning.
+- ``hilore-step``: the hilore backend on the whole step, so the logits and the
+  log-softmax statistics are planned like any other recovery unit.
 """
 
 from __future__ import annotations
@@ -47,7 +55,14 @@ from ..vocabulary import to_plan_exposure
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
-METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-int8", "pt-budget")
+METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-int8", "pt-budget",
+           "gc-chunked", "hilore-step")
+
+#: Methods that run the whole actor step compiled as one graph (``grpo.compiled_step``).
+STEP_METHODS = ("gc-chunked", "hilore-step")
+
+#: ``hilore bench``'s methods when none are named: the step methods only by name.
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in STEP_METHODS)
 
 #: How the report names each method.
 LABELS = {
@@ -58,10 +73,12 @@ LABELS = {
     "uniform-int8": "uniform int8",
     "hilore": "HiLoRe",
     "hilore-blind": "HiLoRe blind",
+    "gc-chunked": "GC + chunked log-probs",
+    "hilore-step": "HiLoRe whole step",
 }
 
 #: Methods that run the hilore backend (and so pick an exposure bucket).
-HILORE_BACKENDS = ("hilore", "hilore-blind", "uniform-int8")
+HILORE_BACKENDS = ("hilore", "hilore-blind", "uniform-int8", "hilore-step")
 
 #: Exposure buckets of ``hilore-blind``: one plan for every batch, exposure ignored.
 BLIND_BUCKETS = 1
@@ -86,6 +103,9 @@ class MethodOptions:
     activation_memory_budget: float | None = None
     #: Print the hilore backend's planning messages (into the worker's log).
     verbose: bool = True
+    #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary
+    #: one chunk's fp32 logits are 128 * 128256 * 4 B = 66 MB.
+    chunk_tokens: int = 128
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> MethodOptions:
@@ -104,6 +124,9 @@ class PreparedMethod:
     compile_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     #: The hilore backend object, for its plan and partition records.
     backend: Any = None
+    #: Step methods: the compiled ``step(input_ids, old_logprobs, advantages,
+    #: mask) -> loss`` that replaces ``policy`` plus the eager loss.
+    step: Callable[..., torch.Tensor] | None = None
 
 
 class Checkpointed(nn.Module):
@@ -207,8 +230,28 @@ def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[
             "cache_dir": options.hilore_cache_dir, "verbose": options.verbose}
 
 
-def prepare_method(name: str, model: nn.Module, options: MethodOptions) -> PreparedMethod:
-    """Wrap and ``torch.compile`` ``model`` (in place) the way method ``name`` runs it."""
+def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_config: Any) -> PreparedMethod:
+    from ..grpo import compiled_step
+
+    if name == "gc-chunked":
+        step = compiled_step(wrap_layers(model), loss_config, backend="inductor",
+                             chunk_tokens=options.chunk_tokens)
+        return PreparedMethod(name=name, policy=model, step=step)
+    from ..backend import HiLoReBackend
+
+    backend = HiLoReBackend(_hilore_options(options))
+    return PreparedMethod(name=name, policy=model, step=compiled_step(model, loss_config, backend=backend),
+                          backend=backend)
+
+
+def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_config: Any = None) -> PreparedMethod:
+    """Wrap and ``torch.compile`` ``model`` (in place) the way method ``name`` runs it.
+
+    ``loss_config`` (a ``GRPOConfig``) is needed by the ``STEP_METHODS`` only,
+    whose compiled step includes the loss.
+    """
+    if name in STEP_METHODS:
+        return _prepare_step(name, model, options, loss_config)
     if name == "store-all":
         return PreparedMethod(name=name, policy=torch.compile(model))
     if name == "gc":

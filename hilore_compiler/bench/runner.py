@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .measure import MMAP_THRESHOLD_ENV, StepSample, gradient_fidelity
-from .methods import METHODS, MethodOptions
+from .methods import DEFAULT_METHODS, METHODS, MethodOptions
 from .search import BudgetSearch, search_budget
 from .worker import WorkerConfig
 
@@ -52,7 +52,7 @@ class BenchConfig:
     #: Tokens per sequence (prompt + response); all but the first are response tokens.
     seq_len: int = 2048
     #: Methods to run (see ``methods.METHODS``); set up in the order of METHODS.
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     #: Rounds of alternation; each gives one paired speed ratio per method
     #: (report.py), so 8 rounds put 7 degrees of freedom in its t-interval.
     repeats: int = 8

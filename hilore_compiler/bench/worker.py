@@ -107,13 +107,25 @@ class Worker:
         vocab = self.model.config.vocab_size
         self.data = make_data(vocab, config.batch, config.seq_len, config.seed, self.device)
         self.loss_config = GRPOConfig()
-        self.prepared: PreparedMethod = prepare_method(config.method, self.model, config.options)
+        self.old_logprobs = self._old_logprobs()
+        self.prepared: PreparedMethod = prepare_method(config.method, self.model, config.options,
+                                                       self.loss_config)
         self.bucket: str | None = None
+
+    def _old_logprobs(self) -> torch.Tensor:
+        """The step methods' ``old_logprobs`` input: this policy's own, so the step is on-policy
+        as ``actor_step``'s (no optimizer step runs, so they stay the policy's)."""
+        with torch.no_grad():
+            return token_logprobs(self.model(self.data.input_ids), self.data.input_ids)  # (B, T-1)
 
     def _step(self) -> None:
         context = runtime.exposure(self.bucket) if self.bucket else contextlib.nullcontext()
         with context:
-            actor_step(self.prepared.policy, self.data, self.loss_config)
+            if self.prepared.step is None:
+                actor_step(self.prepared.policy, self.data, self.loss_config)
+            else:  # the whole step is one compiled graph: forward, log-probs, loss
+                d = self.data
+                self.prepared.step(d.input_ids, self.old_logprobs, d.advantages, d.mask).backward()
 
     def measure(self, steps: int) -> list[StepSample]:
         samples = []

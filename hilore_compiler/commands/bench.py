@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-round", type=int,
                    help=f"measured steps per method per round (default {d.steps_per_round})")
     p.add_argument("--warmup", type=int, help=f"steps after compiling, not in the rounds (default {d.warmup})")
-    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} (default all)")
+    p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
+                                     f"(default {','.join(d.methods)})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"(default {d.device})")
     p.add_argument("--dtype", choices=DTYPES,
                    help=f"parameter dtype of the policy; log-probs and loss stay fp32 (default {d.dtype})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hilore_compiler.bench.methods import (
     METHODS,
     Checkpointed,
     MethodOptions,
+    choose_bucket,
     prepare_method,
     uniform_plan,
     wrap_layers,
@@ -124,6 +126,13 @@ def test_hilore_blind_is_hilore_with_one_bucket(tmp_path):
     assert (hilore.buckets, blind.buckets) == (3, 1)
     assert (blind.memory_budget, blind.codecs) == (hilore.memory_budget, hilore.codecs)
     assert METHODS.index("hilore-blind") == METHODS.index("hilore") + 1
+
+
+def test_choose_bucket_refuses_a_backend_that_fell_back():
+    fell_back = types.SimpleNamespace(graphs=[types.SimpleNamespace(plan=None)])
+    with pytest.raises(RuntimeError, match="fell back to Inductor's partition"):
+        choose_bucket(fell_back, torch.ones(2))
+    assert choose_bucket(types.SimpleNamespace(graphs=[]), torch.ones(2)) is None
 
 
 def test_bf16_worker_config_round_trips_and_steps_with_fp32_logprobs():

@@ -298,10 +298,17 @@ def choose_bucket(backend: Any, exposures: torch.Tensor) -> str | None:
     """The plan's bucket for a microbatch holding every sample: that of the largest exposure.
 
     One forward runs the whole batch under one bucket, so it must be the
-    bucket that covers its most exposed sample. None when nothing was planned.
+    bucket that covers its most exposed sample. None when nothing was compiled.
+
+    Raises:
+        RuntimeError: the backend fell back to Inductor's partition; measured,
+            that would pass Inductor's default off as the hilore method.
     """
     graphs = getattr(backend, "graphs", None) or []
     if not graphs:
         return None
+    if graphs[0].plan is None:
+        raise RuntimeError("the hilore backend planned nothing and fell back to Inductor's partition "
+                           "(its HiLoReWarning in the worker log says why)")
     # Plans state exposure per sample as if it were the whole batch (vocabulary).
     return graphs[0].plan.bucket_for(to_plan_exposure(float(exposures.max()), exposures.numel()))

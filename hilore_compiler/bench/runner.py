@@ -41,6 +41,13 @@ Progress = Callable[[str], None]
 #: Parameter dtypes ``--dtype`` accepts (names of ``torch`` dtypes).
 DTYPES = ("float32", "bfloat16")
 
+#: Methods with an Inductor cache of their own. ``hilore-blind`` compiles the
+#: same graph as ``hilore`` with a plan made inside the compile; the hilore
+#: partitioner's cache identity is then None, which torch 2.13 does not treat
+#: as "do not cache" for a custom partitioner, so a shared cache would serve
+#: it ``hilore``'s partition (its planner never runs: no plan, wrong method).
+OWN_INDUCTOR_CACHE = ("hilore-blind",)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
@@ -220,7 +227,10 @@ class Launcher:
         run = MethodRun(method=method, grad_path=grad_path)
         self.progress(f"{name}: compiling and warming up")
         try:
-            run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}.log")
+            env = self.env
+            if method in OWN_INDUCTOR_CACHE:
+                env = {**env, "TORCHINDUCTOR_CACHE_DIR": f"{env['TORCHINDUCTOR_CACHE_DIR']}-{method}"}
+            run.worker = WorkerProcess(config, env=env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
         except WorkerError as e:
             run.fail(e, self.progress)

@@ -102,6 +102,12 @@ class Trace:
     torch_version: str = ""
     graph_breaks: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: Bytes of the graph's outputs (the caller holds them through backward and
+    #: backward starts from their gradient); "0" in traces that predate it.
+    output_bytes: str = "0"
+    #: Bytes of the trained parameters (so of their gradients) per backward
+    #: segment: ``"layer <i>"`` or ``"outside"``; empty in traces that predate it.
+    param_bytes: dict[str, int] = field(default_factory=dict)
 
     def unit(self, key: str) -> RecoveryUnit:
         for u in self.units:
@@ -196,6 +202,8 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         torch_version=optional(payload, "torch_version", str, where, ""),
         graph_breaks=tuple(optional(payload, "graph_breaks", list, where, [])),
         notes=tuple(optional(payload, "notes", list, where, [])),
+        output_bytes=optional(payload, "output_bytes", str, where, "0"),
+        param_bytes=optional(payload, "param_bytes", dict, where, {}),
     )
     raise_problems(trace_problems(trace, where))
     return trace

@@ -14,6 +14,7 @@ It reads records only by attribute, so it imports neither loader (they call it).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -119,9 +120,17 @@ def trace_problems(trace: Any, where: str) -> list[str]:
     keys = {u.key for u in trace.units}
     for i, u in enumerate(trace.units):
         problems += _trace_unit(u, f"{where}.units[{i}][{u.key}]", trace.batch, trace.seq_len, keys)
-    for field in ("gc_bytes", "store_bytes"):
+    for field in ("gc_bytes", "store_bytes", "output_bytes"):
         problems += _size(getattr(trace, field), f"{where}.{field}", trace.batch, trace.seq_len)[0]
+    for segment, value in trace.param_bytes.items():
+        if not _SEGMENT.match(str(segment)):
+            problems.append(f"{where}.param_bytes: segment {segment!r} is not 'outside' or 'layer <i>'")
+        problems += _number(value, f"{where}.param_bytes.{segment}", integer=True)
     return problems
+
+
+#: A backward segment's name (``solver.memory.group_of``).
+_SEGMENT = re.compile(r"^(outside|layer \d+)$")
 
 
 # -------------------------------------------------------------------- plans

@@ -19,7 +19,7 @@ SMALL = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_h
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    return solve(synthetic_trace(SMALL), "0.8x-store", buckets=2)
+    return solve(synthetic_trace(SMALL), "0.85x-store", buckets=2)
 
 
 def test_json_round_trip_is_equal(plan):
@@ -42,7 +42,7 @@ def test_record_contents(plan):
     trace = synthetic_trace(SMALL)
     assert plan.fingerprint == trace.fingerprint and plan.model == trace.model
     assert (plan.batch, plan.seq_len) == (SMALL.batch, SMALL.seq_len)
-    assert plan.budget == "0.8x-store" and plan.budget_bytes == math.floor(0.8 * plan.store_bytes)
+    assert plan.budget == "0.85x-store" and plan.budget_bytes == math.floor(0.85 * plan.store_bytes)
     assert plan.bucket_names == ("zero", "b0", "b1")
     decisions = plan.decisions("b1")
     assert set(decisions) == {u.key for u in trace.units}

@@ -20,7 +20,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("show")
     trace = synthetic_trace(SMALL)
     trace_path = trace.save(root / "trace.json")
-    plan_path = solve(trace, "0.8x-store", buckets=2).save(root / "plan.json")
+    plan_path = solve(trace, "0.85x-store", buckets=2).save(root / "plan.json")
     return trace_path, plan_path
 
 

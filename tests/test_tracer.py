@@ -38,8 +38,9 @@ def tiny_trace():
 
 @pytest.fixture(scope="module")
 def tiny_trace_other_shape():
+    """A batch-1 example: traced at batch 2 so that sizes keep the symbol B."""
     model = build_model("tiny")
-    ids = _ids(3, 20)
+    ids = _ids(1, 20)
     return trace(model, [ids], _loss(ids), config=CONFIG)
 
 
@@ -70,8 +71,26 @@ def test_sympy_bytes_evaluate_to_sizes_at_a_second_shape(tiny_trace, tiny_trace_
     other = {u.key: u for u in tiny_trace_other_shape.units}
     assert set(other) == {u.key for u in tiny_trace.units}
     for unit in tiny_trace.units:
-        assert eval_size(unit.bytes, 3, 20) == other[unit.key].bytes_at_trace, unit.key
+        assert eval_size(unit.bytes, 2, 20) == other[unit.key].bytes_at_trace, unit.key
     assert tiny_trace.fingerprint == tiny_trace_other_shape.fingerprint
+
+
+def test_batch_one_trace_keeps_the_batch_symbol(tiny_trace_other_shape):
+    t = tiny_trace_other_shape
+    assert t.batch == 2 and any("batch 2 from a batch-1" in n for n in t.notes)
+    sdpa = next(u for u in t.units if "sdpa" in u.kind)
+    assert "B" in sdpa.bytes and eval_size(sdpa.bytes, 4, 20) == 2 * eval_size(sdpa.bytes, 2, 20)
+
+
+def test_trace_records_outputs_and_parameter_bytes(tiny_trace):
+    """The step terms of the memory model: logits bytes as an expression, weights by segment."""
+    model = build_model("tiny")
+    vocab = model.config.vocab_size
+    assert eval_size(tiny_trace.output_bytes, 5, 7) == 5 * 7 * vocab * 4  # (B, S, V) fp32 logits
+    assert sum(tiny_trace.param_bytes.values()) == sum(p.numel() * 4 for p in model.parameters())
+    assert set(tiny_trace.param_bytes) == {"outside", "layer 0", "layer 1"}
+    per_layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    assert tiny_trace.param_bytes["layer 0"] == per_layer
 
 
 def test_layers_kinds_and_codecs(tiny_trace):

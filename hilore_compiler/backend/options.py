@@ -39,6 +39,14 @@ class BackendOptions:
     #: not fit the graph (units without a decision, plan units not in the graph)
     #: or a graph cannot be planned.
     strict: bool = False
+    #: The loss's own peak as a multiple of the compiled graph's outputs'
+    #: bytes, when the loss runs after the graph (``bench.measure.loss_side``
+    #: measures it; 3.0 for token log-probs + the GRPO loss in fp32). 0: the
+    #: step's peak is modelled without the loss.
+    loss_ratio: float = 0.0
+    #: GC's measured step peak in bytes: ``x-gc`` budgets are then multiples
+    #: of it rather than of GC's predicted peak. None: the prediction.
+    gc_peak_bytes: int | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> BackendOptions:
@@ -85,4 +93,7 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_dir": (_path, "a folder path (str or os.PathLike)"),
     "verbose": (lambda v: isinstance(v, bool), "True or False"),
     "strict": (lambda v: isinstance(v, bool), "True or False"),
+    "loss_ratio": (_number, "a number >= 0 (the loss's peak over the graph outputs' bytes)"),
+    "gc_peak_bytes": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                      "a positive int (GC's measured peak in bytes) or None"),
 }

@@ -78,7 +78,8 @@ def code_digest() -> str:
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
     shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
-    planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets]
+    planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets,
+                options.loss_ratio, options.gc_peak_bytes]
     text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), planning],
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -90,7 +91,8 @@ def solve_for(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -
 
     risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
     return solve(trace, budget=options.memory_budget, risk_budget=risk, buckets=options.buckets,
-                 codecs=list(options.codecs), batch=batch, seq_len=seq_len)
+                 codecs=list(options.codecs), batch=batch, seq_len=seq_len, loss_ratio=options.loss_ratio,
+                 gc_peak_bytes=options.gc_peak_bytes)
 
 
 def say(options: BackendOptions, message: str) -> None:

@@ -34,6 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated codecs the plan may use, e.g. bf16,int8 (default: all the trace measured)")
     p.add_argument("--batch", type=int, default=None, help="plan for this batch (default: the traced one)")
     p.add_argument("--seq-len", type=int, default=None, help="plan for this sequence length (default: traced)")
+    p.add_argument("--loss-ratio", type=float, default=0.0,
+                   help="the loss's own peak as a multiple of the graph outputs' bytes, when the loss "
+                        "runs after the compiled graph (3.0 for fp32 token log-probs + GRPO loss; "
+                        "default 0: not modelled)")
+    p.add_argument("--gc-peak", type=int, default=None,
+                   help="GC's measured step peak in bytes: x-gc budgets become multiples of it "
+                        "(default: GC's peak as the memory model predicts it)")
     p.add_argument("--time-limit", type=float, default=SolverOptions().time_limit_s,
                    help="seconds CBC may spend on each bucket's ILP")
     p.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     plan = solve(
         args.trace, args.budget, risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs,
         batch=args.batch, seq_len=args.seq_len, exposure_mix=args.exposure_mix,
-        options=SolverOptions(time_limit_s=args.time_limit),
+        loss_ratio=args.loss_ratio, gc_peak_bytes=args.gc_peak, options=SolverOptions(time_limit_s=args.time_limit),
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     path = save_or_fallback(plan.save, args.output, "plan")

@@ -23,7 +23,7 @@ from .capture import GraphCapture, capture_joint_graphs
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, total_nbytes
 from ..sizeexpr import format_size
-from ..tracefile import RecoveryUnit, Trace, parse_size
+from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +84,40 @@ def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch:
     return sympy.expand(total + largest(per_layer.values(), batch, seq_len))
 
 
+def output_bytes_expr(joint: fx.GraphModule, symbols) -> sympy.Expr:
+    """Bytes of the graph's outputs that backward differentiates: the tangents' sizes.
+
+    The caller holds these outputs (the logits) until backward, and backward
+    starts from their gradient, so both count in the step's peak (``memory.py``).
+    """
+    tangents = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")
+                and isinstance(n.meta.get("val"), torch.Tensor)]
+    return total_nbytes(tangents, symbols)
+
+
+def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
+    """Bytes of the trained parameters (their gradients' bytes) per backward segment.
+
+    A parameter belongs to the layer of the first op that reads it: parameter
+    placeholders carry no module path of their own.
+    """
+    # The joint graph returns (*forward outputs, *one gradient per primal input);
+    # a primal with a gradient is a trained parameter (or a differentiable input).
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    outputs = next(n for n in reversed(joint.graph.nodes) if n.op == "output").args[0]
+    grads = list(outputs)[-len(primals):] if primals else []
+    out: dict[str, int] = {}
+    for node, grad in zip(primals, grads):
+        if grad is None or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        readers = [u for u in node.users if u.op == "call_function" and not is_backward(u)]
+        layer = layer_of(module_fqn(readers[0])) if readers else None
+        segment = "outside" if layer is None else f"layer {layer}"
+        nbytes = int(eval_size(nbytes_expr(node, symbols), batch, seq_len))
+        out[segment] = out.get(segment, 0) + nbytes
+    return out
+
+
 def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph]) -> str:
     """Hash of what identifies a model graph: (key, kind, dtype) of every unit
     and the shapes of the trained parameters; not the batch or sequence size."""
@@ -116,6 +150,13 @@ def trace(
     """
     say = _progress(config)
     start = time.perf_counter()
+    if config.dynamic and _leading_size(example_inputs, example_kwargs) == 1:
+        # Dynamo specialises a size-1 dim to the constant 1, so a batch-1
+        # trace would read ``1024*S`` and plan batch 2 at half its bytes.
+        example_inputs, example_kwargs = _doubled(example_inputs), _doubled(example_kwargs or {})
+        config = dataclasses.replace(config, notes=config.notes + (
+            "traced at batch 2 from a batch-1 example: a size-1 batch would be specialised and lose B",))
+        say("batch 1 doubled to 2 so that sizes keep the batch symbol B")
     captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss, dynamic=config.dynamic,
                                     example_kwargs=example_kwargs)
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
@@ -127,6 +168,22 @@ def trace(
     return result
 
 
+def _leading_size(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int | None:
+    first = next((x for x in [*inputs, *(kwargs or {}).values()] if isinstance(x, torch.Tensor)), None)
+    return int(first.shape[0]) if first is not None and first.dim() >= 1 else None
+
+
+def _doubled(values: Any) -> Any:
+    """Tensors with a leading size of 1 (the batch) repeated to 2; the rest unchanged."""
+    def double(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
+            return torch.cat([x, x]).detach().requires_grad_(x.requires_grad)
+        return x
+    if isinstance(values, Mapping):
+        return {k: double(v) for k, v in values.items()}
+    return type(values)(double(v) for v in values) if isinstance(values, (list, tuple)) else values
+
+
 def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, config: TraceConfig) -> Trace:
     """Annotate and profile captured graphs (the tracer's second half)."""
     say = _progress(config)
@@ -134,7 +191,8 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
                                    repeats=config.repeats, codecs=config.codecs,
                                    batch=batch, seq_len=seq_len)
     units: list[RecoveryUnit] = []
-    gc_total, store_total = sympy.Integer(0), sympy.Integer(0)
+    gc_total, store_total, output_total = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
+    param_bytes: dict[str, int] = {}
     for capture in captures:
         symbols = shape_symbols(capture.joint.graph)
         prefix = f"g{capture.index}/" if capture.index else ""
@@ -150,6 +208,9 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         workspace = largest((parse_size(u.recompute_transient) for u in profiled), batch, seq_len)
         gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len) + workspace
         store_total += sum((parse_size(u.bytes) for u in profiled), sympy.Integer(0))
+        output_total += output_bytes_expr(capture.joint, symbols)
+        for segment, nbytes in param_bytes_by_segment(capture.joint, symbols, batch, seq_len).items():
+            param_bytes[segment] = param_bytes.get(segment, 0) + nbytes
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")
@@ -163,6 +224,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         torch_version=torch.__version__,
         graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),
         notes=config.notes + _value_notes(captures),
+        output_bytes=format_size(sympy.expand(output_total)), param_bytes=param_bytes,
     )
 
 

@@ -1,9 +1,12 @@
 """Memory budgets: parse ``6GiB``, ``750MB``, ``123456``, ``1.10x-gc``, ``0.5x-store``.
 
-A budget bounds *activation bytes only*: what the trace's recovery units keep
-across the forward/backward boundary plus the largest transient backward needs
-to recover one of them (see ``memory.py``). Weights, optimizer state and the
-allocator's own overhead are outside it, as they are outside the trace.
+A budget bounds the training step's predicted peak above what the process
+held before it (``memory.py``): kept activations, the backward transient, the
+graph's outputs and their gradient, the loss's own peak when it is known, and
+the weights' gradients accumulated so far. Weights, optimizer state and the
+allocator's own overhead are outside it, as they are outside every method's
+measured peak. ``x-gc`` and ``x-store`` are multiples of GC's and store-all's
+peaks under the same model (or of GC's measured peak when the caller gives it).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ UNITS: dict[str, int] = {
 #: What ``parse_budget`` accepts, quoted in every error message.
 ACCEPTED_FORMS = (
     "a byte count ('123456'), a size with a unit ('750MB', '6GiB'; units B, kB, MB, "
-    "GB, TB, KiB, MiB, GiB, TiB), a multiple of gradient checkpointing's bytes "
-    "('1.10x-gc') or a multiple of store-all's bytes ('0.5x-store')"
+    "GB, TB, KiB, MiB, GiB, TiB), a multiple of gradient checkpointing's peak "
+    "('1.10x-gc') or a multiple of store-all's peak ('0.5x-store')"
 )
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"

@@ -196,10 +196,13 @@ class _Bucket:
                         f"exact_inputs_{self.tag}_{i}_{j}"
 
     def _largest_transient(self) -> None:
-        # T covers what backward holds at once while recovering a unit w of
-        # layer g: every recomputed or decoded unit of g (full bytes), plus
-        # w's recompute workspace if w is recomputed.
+        # T covers what the step holds at once besides kept bytes (memory.py):
+        # the loss's peak, or, while backward recovers a unit w of segment g,
+        # every recomputed or decoded unit of g (full bytes), w's recompute
+        # workspace if w is recomputed, and g's backward terms (a constant).
         byte_unit, prob = self.problem.byte_unit, self.problem.prob
+        step = self.model.step
+        self.T.lowBound = step.floor() / byte_unit
         held: dict[str, list] = {}
         for u in self.model.units:
             rebuilt = self._compressed(u.key)
@@ -207,12 +210,17 @@ class _Bucket:
                 rebuilt += self.x[u.key, RECOMPUTE]
             if len(rebuilt) > 0:
                 held.setdefault(group_of(u.layer), []).append(u.bytes / byte_unit * rebuilt)
-        for g, terms in enumerate(held.values()):
-            prob += self.T >= pulp.lpSum(terms), f"transient_layer_{self.tag}_{g}"
+        for i, (g, terms) in enumerate(held.items()):
+            constant = step.backward_bytes.get(g, 0) / byte_unit
+            prob += self.T >= pulp.lpSum(terms) + constant, f"transient_layer_{self.tag}_{i}"
         for i, w in enumerate(self.model.units):
             if w.recomputable and w.recompute_transient > 0:
+                g = group_of(w.layer)
                 workspace = w.recompute_transient / byte_unit * self.x[w.key, RECOMPUTE]
-                prob += self.T >= pulp.lpSum(held[group_of(w.layer)]) + workspace, \
+                # With w's workspace alive the segment's gradient workspace is not yet
+                # (memory.StepTerms.recovering); the constraint above covers it after.
+                rest = step.backward_bytes.get(g, 0) - step.gradient_bytes.get(g, 0)
+                prob += self.T >= pulp.lpSum(held[g]) + workspace + rest / byte_unit, \
                     f"transient_workspace_{self.tag}_{i}"
 
     def memory(self) -> pulp.LpAffineExpression:

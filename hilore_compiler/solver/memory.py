@@ -1,6 +1,37 @@
 """The memory / time model shared by the ILP and the re-simulation of its answer.
 
-Memory of a plan (activation bytes only, what the trace's units hold):
+A plan's memory is the predicted peak of the whole training step above what
+the process held before it (weights, optimizer state): what is alive at the
+worst moment of forward and backward. Measured on the bench's GRPO step (CPU,
+``small`` at 2 x 2048 tokens) the peak falls in one of two places:
+
+- the loss's backward, with every kept activation still alive: kept + the
+  graph's outputs (the logits, held by the caller) + the loss's own peak (its
+  log-softmax temporaries and the gradient of the outputs being formed). This
+  is store-all's peak;
+- the backward of one segment (a layer, or ``outside``): kept + outputs + the
+  gradient of the outputs backward started from + the segment's rebuilt
+  units and workspace (``transient`` below) + the gradients backward itself
+  holds there (the widest activation's gradient and the one flowing between
+  layers; a recompute workspace is freed before they are made, so the
+  segment holds the larger of the two) + the weights' gradients accumulated
+  so far. This is GC's peak.
+
+So, with ``StepTerms`` (``step_terms``) giving the parts the trace's units do not:
+
+    peak = kept + max(outputs + loss,
+                      max over segments g of transient(g) + step(g))
+    step(g) = 2 x outputs + grad_workspace(g) + weight gradients of g and of
+              every segment backward reaches before g
+
+Every term but ``loss`` comes from the trace; ``loss`` is a multiple of the
+outputs' bytes the caller measures for its loss (``bench.measure.loss_side``,
+3.0 for token log-probs + the GRPO loss in fp32) or 0 when the loss is not
+known (the backend's default). Kept activations are counted whole through
+backward, which is exact for the first segment backward meets (where the
+peak falls on a uniform layer stack) and conservative for the others.
+
+The activation part (``transient`` and ``kept``), as before:
 
     kept      = sum of stored unit bytes + sum of compressed bytes
     transient = what backward holds at once to recover units. Backward runs
@@ -99,14 +130,44 @@ class UnitCost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StepTerms:
+    """The step's memory besides the trace's activations, at the planned shape (module docstring)."""
+
+    #: The graph's outputs, which the caller holds until backward is done.
+    output_bytes: int = 0
+    #: The loss's own peak beyond the outputs (0: the loss is not known).
+    loss_bytes: int = 0
+    #: Per segment (``group_of``): what backward holds there besides kept and
+    #: transient bytes: outputs and their gradient, gradient workspace,
+    #: weight gradients so far.
+    backward_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: Per segment: the gradient workspace inside ``backward_bytes``. A
+    #: recompute workspace is freed before backward's gradients of the segment
+    #: are made, so the two never add: the segment holds the larger.
+    gradient_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def recovering(self, segment: str, workspace: int) -> int:
+        """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
+        base = self.backward_bytes.get(segment, 0) - self.gradient_bytes.get(segment, 0)
+        return base + max(workspace, self.gradient_bytes.get(segment, 0))
+
+    def floor(self) -> int:
+        """The least the step adds to kept bytes, whatever is rebuilt."""
+        return max([self.output_bytes + self.loss_bytes, *self.backward_bytes.values()])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
     """All units' costs at one shape; what both the ILP and ``simulate`` read."""
 
     batch: int
     seq_len: int
     units: tuple[UnitCost, ...]
+    #: GC's and store-all's predicted step peaks (the references of ``x-gc``
+    #: and ``x-store`` budgets), under the same model as every plan.
     gc_bytes: int
     store_bytes: int
+    step: StepTerms = field(default_factory=StepTerms)
     #: Units by key, derived from ``units`` (a lookup table, not state).
     by_key: Mapping[str, UnitCost] = field(init=False, repr=False, compare=False)
 
@@ -123,8 +184,13 @@ def _size(expr: str, batch: int, seq_len: int) -> int:
     return eval_size(parse_size(expr), batch, seq_len)
 
 
-def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str]) -> CostModel:
-    """Evaluate ``trace`` at (batch, seq_len), keeping only the allowed codecs."""
+def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
+               loss_ratio: float = 0.0) -> CostModel:
+    """Evaluate ``trace`` at (batch, seq_len), keeping only the allowed codecs.
+
+    ``loss_ratio``: the loss's own peak as a multiple of the graph's outputs'
+    bytes (module docstring); 0 leaves the loss out.
+    """
     layers = len({u.layer for u in trace.units if u.layer is not None})
     units = []
     for u in trace.units:
@@ -147,11 +213,72 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str])
             recompute_time_s=u.recompute_time_s * scale, recomputable=u.recomputable,
             recompute_from=u.recompute_from, codecs=unit_codecs,
         ))
+    units = tuple(units)
+    gc_activations = _size(trace.gc_bytes, batch, seq_len)
+    step = step_terms(trace, units, batch=batch, seq_len=seq_len, gc_activations=gc_activations,
+                      loss_ratio=loss_ratio)
     return CostModel(
-        batch=batch, seq_len=seq_len, units=tuple(units),
-        gc_bytes=_size(trace.gc_bytes, batch, seq_len),
-        store_bytes=_size(trace.store_bytes, batch, seq_len),
+        batch=batch, seq_len=seq_len, units=units,
+        gc_bytes=gc_peak(units, step, gc_activations),
+        store_bytes=sum(u.bytes for u in units) + step.floor(), step=step,
     )
+
+
+def _segments(units: Sequence[UnitCost]) -> dict[str, list[UnitCost]]:
+    segments: dict[str, list[UnitCost]] = {}
+    for u in units:
+        segments.setdefault(group_of(u.layer), []).append(u)
+    return segments
+
+
+def _gc_parts(units: Sequence[UnitCost], gc_activations: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(bytes GC keeps, per layer: (bytes GC rebuilds there, its largest workspace)).
+
+    The trace's ``gc_bytes`` is layer inputs + outside + the largest layer +
+    the largest workspace (``tracer.gc_bytes_expr``); the layer inputs are
+    what is left when the rest, known from the units, is taken off.
+    """
+    segments = _segments(units)
+    outside = sum(u.bytes for u in segments.get("outside", []))
+    layers = {g: us for g, us in segments.items() if g != "outside"}
+    rebuilt = {g: (sum(u.bytes for u in us), max(u.recompute_transient for u in us)) for g, us in layers.items()}
+    largest = max((sum(u.bytes for u in us) for us in layers.values()), default=0)
+    workspace = max((u.recompute_transient for u in units), default=0)
+    inputs = max(0, gc_activations - outside - largest - workspace)
+    return inputs + outside, rebuilt
+
+
+def step_terms(trace: Trace, units: Sequence[UnitCost], *, batch: int, seq_len: int,
+               gc_activations: int, loss_ratio: float) -> StepTerms:
+    """The step's terms at (batch, seq_len) (module docstring)."""
+    outputs = _size(trace.output_bytes, batch, seq_len)
+    segments = _segments(units)
+    layers = sorted(int(g.split()[1]) for g in segments if g != "outside")
+    # The gradient flowing between layers has a layer input's size.
+    kept_inputs, _ = _gc_parts(units, gc_activations)
+    outside = sum(u.bytes for u in segments.get("outside", []))
+    flowing = (kept_inputs - outside) // max(1, len(layers))
+    grads = {g: int(trace.param_bytes.get(g, 0)) for g in segments}
+    backward: dict[str, int] = {}
+    gradient: dict[str, int] = {}
+    for g, us in segments.items():
+        # Backward meets the head (outside) first, then the layers from the last one.
+        so_far = grads.get("outside", 0)
+        if g != "outside":
+            so_far += sum(grads.get(f"layer {i}", 0) for i in layers if i >= int(g.split()[1]))
+        gradient[g] = max(u.bytes for u in us) + flowing
+        backward[g] = 2 * outputs + gradient[g] + so_far
+    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
+                     gradient_bytes=gradient)
+
+
+def gc_peak(units: Sequence[UnitCost], step: StepTerms, gc_activations: int) -> int:
+    """GC's predicted step peak: its kept bytes plus the worst of the loss and each layer's backward."""
+    kept, rebuilt = _gc_parts(units, gc_activations)
+    worst = max([step.output_bytes + step.loss_bytes,
+                 *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
+                 *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])
+    return kept + worst
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,7 +297,8 @@ def group_of(layer: int | None) -> str:
 
 
 def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:
-    """The most bytes backward holds at once to recover units (see module docstring)."""
+    """The most bytes the step holds at once besides kept ones (module docstring):
+    the loss's peak, or a segment's rebuilt units + workspace + backward terms."""
     held: dict[str, int] = {}
     for u in model.units:
         if decisions[u.key] != STORE:  # recomputed or decoded in backward
@@ -180,7 +308,7 @@ def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:
         if decisions[u.key] == RECOMPUTE:
             group = group_of(u.layer)
             workspace[group] = max(workspace.get(group, 0), u.recompute_transient)
-    return max((held[g] + workspace.get(g, 0) for g in held), default=0)
+    return max([model.step.floor(), *(held[g] + model.step.recovering(g, workspace.get(g, 0)) for g in held)])
 
 
 def simulate(model: CostModel, decisions: Mapping[str, str]) -> Prediction:

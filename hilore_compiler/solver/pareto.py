@@ -63,7 +63,7 @@ def pareto_curve(trace: Trace | str | os.PathLike, *, points: int = DEFAULT_POIN
     weights = [BucketWeight(name=WHOLE_BATCH, samples=1.0, mass=1.0)]
     least = least_memory(model, weights=weights, risk_budget=error2, options=options)
     lo = least.memory_bytes
-    hi = max(lo, sum(u.bytes for u in model.units))  # storing everything: no transient
+    hi = max(lo, model.store_bytes)  # storing everything: no recovery transient
     budgets = sorted({lo + (hi - lo) * i // (points - 1) for i in range(points)})
     curve, start = [], least.decisions
     for budget in budgets:  # ascending: each plan is a feasible start for the next budget

@@ -69,7 +69,7 @@ def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[st
 
 
 def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | None,
-            batch: int | None, seq_len: int | None) -> tuple[Trace, CostModel]:
+            batch: int | None, seq_len: int | None, loss_ratio: float = 0.0) -> tuple[Trace, CostModel]:
     """Load the trace if given a path and evaluate its costs at the planned shape."""
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -80,7 +80,11 @@ def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | N
     for name, value in (("batch", batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=allowed_codecs(trace, codecs))
+    if not (isinstance(loss_ratio, (int, float)) and math.isfinite(loss_ratio) and loss_ratio >= 0):
+        raise ValueError(f"loss_ratio must be a finite number >= 0 (the loss's peak over its input's "
+                         f"bytes), got {loss_ratio!r}")
+    model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=allowed_codecs(trace, codecs),
+                       loss_ratio=float(loss_ratio))
     return trace, model
 
 
@@ -237,11 +241,15 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
+          loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
           options: SolverOptions | None = None, progress: Progress | None = None) -> Plan:
     """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
     ``budget``: ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
-    ``"0.5x-store"``; it bounds activation bytes only (see ``budget.py``).
+    ``"0.5x-store"``; it bounds the step's predicted peak (``memory.py``), and
+    ``x-gc`` is relative to GC's predicted peak, or to ``gc_peak_bytes`` when
+    given (GC's measured peak). ``loss_ratio``: the loss's own peak as a
+    multiple of the graph's outputs' bytes (``bench.measure.loss_side``; 0: not known).
     ``risk_budget``: the whole update's squared relative gradient error, or
     ``"cos>=0.999"`` (the default; ``risk.py``). ``buckets``: a count (split
     at the mix's quantiles, ``risk.default_buckets``) or explicit
@@ -255,9 +263,11 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     options = options or SolverOptions()
     say = progress or (lambda _msg: None)
     error2 = parse_risk_budget(risk_budget)
-    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len)
+    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
     parsed = parse_budget(budget)
-    budget_bytes = parsed.bytes_at(gc_bytes=model.gc_bytes, store_bytes=model.store_bytes)
+    if gc_peak_bytes is not None and not (isinstance(gc_peak_bytes, int) and gc_peak_bytes > 0):
+        raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
+    budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     exposures = mix_exposures(exposure_mix)
     shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
     weights = [BucketWeight(name=s.spec.name, samples=s.samples, mass=s.mass) for s in shares]
@@ -274,6 +284,12 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
         f"{math.sqrt(total):.3g} (cos >= {error2_to_cosine(total):.6g})")
     notes = [*trace.notes, f"risk: predicted squared relative gradient error of the whole update, "
              f"budget {error2:.4g} = cos >= {error2_to_cosine(error2):.6g}; mix of {len(exposures)} samples"]
+    if gc_peak_bytes is not None:
+        notes.append(f"x-gc budget relative to GC's measured peak {gc_peak_bytes} bytes "
+                     f"(predicted {model.gc_bytes})")
+    if model.step.output_bytes:
+        notes.append(f"step terms: outputs {model.step.output_bytes} bytes, loss {model.step.loss_bytes} "
+                     f"bytes (loss_ratio {loss_ratio:g})")
     if (model.batch, model.seq_len) != (trace.batch, trace.seq_len):
         notes.append(f"planned for batch {model.batch}, seq_len {model.seq_len}; traced at batch "
                      f"{trace.batch}, seq_len {trace.seq_len}: sizes re-evaluated, seconds scaled by bytes")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid as uuid_module
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,7 +95,11 @@ class PlanPartitioner(CustomPartitionerFn):
         self.bucket_used: str | None = bucket
         # Known before the compile: the cache may serve a graph partitioned
         # for exactly this plan and bucket. Unknown: never serve a cached one.
-        self._uuid = None
+        # A None identity does not stop Inductor's FX graph cache (torch 2.13
+        # keys it as "None", so two zero-config compiles of one graph with
+        # different options were served each other's graph): a fresh random
+        # identity does.
+        self._uuid = f"unplanned-{uuid_module.uuid4().hex}"
         if planner.plan_known:
             payload = json.dumps([planner.plan.fingerprint, planner.plan.to_json(), bucket, code_digest()],
                                  sort_keys=True, default=str)
@@ -123,7 +128,7 @@ class PlanPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> str | None:
         # Inductor's caches key on this: it changes with the plan and bucket,
-        # and is None (no caching) while the plan is made inside the call.
+        # and is unique (no cache hit) while the plan is made inside the call.
         return self._uuid
 
     def __reduce__(self) -> tuple:

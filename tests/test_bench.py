@@ -413,3 +413,34 @@ def test_actor_update_table_and_cli():
     assert "| HiLoRe, buckets + zero skip | 1234 | 1.200 | 5.0 | 1.050 | 0.999999 | 1.1e-03 / 1.0e-03 | 16 | 9 |" \
         in table
     assert "failed: boom" in table
+
+
+_LOSS_SIDE = """
+import torch
+from hilore_compiler.bench.measure import loss_side
+from hilore_compiler.models import token_logprobs
+from hilore_compiler.grpo import GRPOConfig, grpo_loss
+ids = torch.randint(0, 512, (4, 256)); adv = torch.randn(4); mask = torch.ones(4, 255)
+def loss(logits):
+    lp = token_logprobs(logits, ids)
+    return grpo_loss(lp, lp.detach(), adv, mask, GRPOConfig())
+print(loss_side(loss, (4, 256, 512), torch.float32, "cpu"), loss_side(loss, (4, 256, 512), torch.bfloat16, "cpu"))
+"""
+
+
+def test_loss_side_measures_what_the_eager_loss_adds_over_the_logits():
+    """fp32 log-probs + GRPO loss hold about 3 logits-sized buffers at once beyond the
+    logits (a log-softmax temporary, the gather's dense gradient, their sum); bf16
+    logits add their fp32 copy on top, so more per bf16 byte. Own process: the CPU
+    peak needs the malloc setting the bench's workers run with."""
+    import os
+    import subprocess
+    import sys
+
+    from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV
+
+    out = subprocess.run([sys.executable, "-c", _LOSS_SIDE], env={**os.environ, **MMAP_THRESHOLD_ENV},
+                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    fp32, bf16 = map(float, out)
+    assert 2.5 <= fp32 <= 3.5
+    assert bf16 > fp32 + 2

@@ -107,3 +107,27 @@ def gradient_fidelity(grad: torch.Tensor, exact: torch.Tensor) -> tuple[float, f
     cosine = float(torch.dot(g, e) / (g.norm() * e.norm()).clamp_min(torch.finfo(torch.float64).tiny))
     rel_l2 = float((g - e).norm() / e.norm().clamp_min(torch.finfo(torch.float64).tiny))
     return cosine, rel_l2
+
+
+def loss_side(loss: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device | str) -> float:
+    """The loss's own peak as a multiple of its input's bytes: ``BackendOptions.loss_ratio``.
+
+    Runs ``loss(outputs).backward()`` once on random ``outputs`` of ``shape``
+    (the compiled graph's outputs: the logits) with the same peak measure as a
+    step (``measure_step``), counted above the outputs themselves: what the
+    loss adds while every activation is still alive (``solver/memory.py``).
+    Measured rather than modelled because it depends on the loss's kernels
+    (3.0 for fp32 token log-probs + the GRPO loss: a log-softmax temporary,
+    the gather's dense gradient and their sum; more for bf16, whose fp32 copy
+    is kept for backward).
+    """
+    outputs = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+
+    def run() -> None:
+        loss(outputs).backward()
+
+    run()  # first call: lazy allocations and kernel caches are not the loss's
+    outputs.grad = None
+    peak = measure_step(run, device).peak_bytes
+    return max(0.0, peak / (outputs.numel() * outputs.element_size()))

@@ -103,6 +103,9 @@ class MethodOptions:
     activation_memory_budget: float | None = None
     #: Print the hilore backend's planning messages (into the worker's log).
     verbose: bool = True
+    #: The loss's peak over the logits' bytes (``measure.loss_side``), which
+    #: HiLoRe's memory model adds to the step; the worker measures it.
+    loss_ratio: float = 0.0
     #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary
     #: one chunk's fp32 logits are 128 * 128256 * 4 B = 66 MB.
     chunk_tokens: int = 128
@@ -227,7 +230,8 @@ class UniformCodecBackend:
 def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[str, Any]:
     return {"memory_budget": options.hilore_budget, "codecs": options.hilore_codecs,
             "buckets": options.hilore_buckets if buckets is None else buckets,
-            "cache_dir": options.hilore_cache_dir, "verbose": options.verbose}
+            "cache_dir": options.hilore_cache_dir, "verbose": options.verbose,
+            "loss_ratio": options.loss_ratio}
 
 
 def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_config: Any) -> PreparedMethod:

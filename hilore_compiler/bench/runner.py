@@ -329,6 +329,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
                 runs[method], search = _pt_budget(launcher, runs, progress)
             else:
                 runs[method] = launcher.start(method)
+        predict_baselines(runs)
         measure_rounds(list(runs.values()), config, progress)
     finally:
         close_workers(runs.values())
@@ -338,6 +339,25 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
         shutil.rmtree(run_dir, ignore_errors=True)  # only logs, gradients and a temporary cache
     return BenchRun(config=config, device=device, runs=tuple(runs.values()), budget_search=search,
                     run_dir=str(run_dir) if failed else None)
+
+
+def predict_baselines(runs: dict[str, MethodRun]) -> None:
+    """GC's and store-all's predicted peaks, from the memory model of HiLoRe's plan.
+
+    The hilore worker's plan predicts every plan's step peak, its own and the
+    two references of its budgets, with the same model (``solver/memory.py``);
+    the report sets them beside the measured peaks.
+    """
+    for source in ("hilore", "hilore-blind", "uniform-int8"):
+        run = runs.get(source)
+        plan = run.info.get("plan", {}) if run is not None and run.status == "ok" else {}
+        if "gc_bytes" in plan:
+            break
+    else:
+        return
+    for method, field in (("gc", "gc_bytes"), ("store-all", "store_bytes")):
+        if method in runs and runs[method].status == "ok":
+            runs[method].info["predicted_peak_bytes"] = plan[field]
 
 
 def close_workers(runs: Iterable[MethodRun]) -> None:

@@ -31,8 +31,9 @@ import torch
 from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
-from .measure import StepSample, cpu_peak_supported, measure_step, mmap_threshold_set
-from .methods import HILORE_BACKENDS, MethodOptions, PreparedMethod, choose_bucket, plan_summary, prepare_method
+from .measure import StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set
+from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
+                      prepare_method)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,9 +109,25 @@ class Worker:
         self.data = make_data(vocab, config.batch, config.seq_len, config.seed, self.device)
         self.loss_config = GRPOConfig()
         self.old_logprobs = self._old_logprobs()
-        self.prepared: PreparedMethod = prepare_method(config.method, self.model, config.options,
-                                                       self.loss_config)
+        options = config.options
+        if config.method in HILORE_BACKENDS and config.method not in STEP_METHODS:
+            # The eager loss after the compiled policy is part of the step's
+            # peak: measure it here, before the first call plans.
+            # Rounded so that hilore and uniform-int8, which measure it in their
+            # own processes, share the trace cached under the same options.
+            options = dataclasses.replace(options, loss_ratio=round(self._loss_ratio(), 1))
+        self.prepared: PreparedMethod = prepare_method(config.method, self.model, options, self.loss_config)
         self.bucket: str | None = None
+
+    def _loss_ratio(self) -> float:
+        """``measure.loss_side`` of this step's loss on logits of the policy's output shape."""
+        def loss(logits: torch.Tensor) -> torch.Tensor:
+            logprobs = token_logprobs(logits, self.data.input_ids)
+            return grpo_loss(logprobs, logprobs.detach(), self.data.advantages, self.data.mask, self.loss_config)
+
+        shape = (*self.data.input_ids.shape, self.model.config.vocab_size)
+        dtype = next(self.model.parameters()).dtype
+        return loss_side(loss, shape, dtype, self.device)
 
     def _old_logprobs(self) -> torch.Tensor:
         """The step methods' ``old_logprobs`` input: this policy's own, so the step is on-policy
@@ -163,8 +180,11 @@ class Worker:
         if self.config.method in HILORE_BACKENDS:
             exposures = exposure_before_forward(self.data.advantages, self.data.mask, self.loss_config)
             self.bucket = choose_bucket(self.prepared.backend, exposures)
-            info.update(bucket=self.bucket, exposures=exposures.tolist(),
-                        plan=plan_summary(self.prepared.backend))
+            plan = plan_summary(self.prepared.backend)
+            info.update(bucket=self.bucket, exposures=exposures.tolist(), plan=plan)
+            predicted = plan.get("predicted_memory_bytes", {}).get(self.bucket)
+            if predicted is not None:
+                info["predicted_peak_bytes"] = predicted
         if self.config.options.activation_memory_budget is not None and self.config.method == "pt-budget":
             info["activation_memory_budget"] = self.config.options.activation_memory_budget
         return info

@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
     p.add_argument("--trace", default=None, help="trace to calibrate (default: trace the model first)")
-    p.add_argument("--batch", type=int, default=1, help="sequences (default 1; the trace's if given)")
+    p.add_argument("--batch", type=int, default=2, help="sequences (default 2; the trace's if given)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--codecs", default=None, help="codecs to calibrate, e.g. bf16,int8 (default: all usable)")
     p.add_argument("--seed", type=int, default=0)

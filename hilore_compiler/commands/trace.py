@@ -22,7 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "what each costs to store, compress or recompute.",
     )
     p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per microbatch (default 1)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="sequences per microbatch (default 2; a batch of 1 is traced at 2 so that "
+                        "sizes keep the batch symbol B)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--cost-model", default="measured",
                    help="'measured' (run here) or " + ", ".join(f"'roofline:{d}'" for d in DEVICES)

@@ -106,7 +106,9 @@ class Trace:
     #: backward starts from their gradient); "0" in traces that predate it.
     output_bytes: str = "0"
     #: Bytes of the trained parameters (so of their gradients) per backward
-    #: segment: ``"layer <i>"`` or ``"outside"``; empty in traces that predate it.
+    #: segment: ``"layer <i>"``, ``"outside"`` (read after the layers: the
+    #: head) or ``"inputs"`` (read before them: the embedding, whose gradient
+    #: backward makes last); empty in traces that predate it.
     param_bytes: dict[str, int] = field(default_factory=dict)
 
     def unit(self, key: str) -> RecoveryUnit:

@@ -124,13 +124,13 @@ def trace_problems(trace: Any, where: str) -> list[str]:
         problems += _size(getattr(trace, field), f"{where}.{field}", trace.batch, trace.seq_len)[0]
     for segment, value in trace.param_bytes.items():
         if not _SEGMENT.match(str(segment)):
-            problems.append(f"{where}.param_bytes: segment {segment!r} is not 'outside' or 'layer <i>'")
+            problems.append(f"{where}.param_bytes: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
         problems += _number(value, f"{where}.param_bytes.{segment}", integer=True)
     return problems
 
 
 #: A backward segment's name (``solver.memory.group_of``).
-_SEGMENT = re.compile(r"^(outside|layer \d+)$")
+_SEGMENT = re.compile(r"^(outside|inputs|layer \d+)$")
 
 
 # -------------------------------------------------------------------- plans

@@ -88,7 +88,9 @@ def test_trace_records_outputs_and_parameter_bytes(tiny_trace):
     vocab = model.config.vocab_size
     assert eval_size(tiny_trace.output_bytes, 5, 7) == 5 * 7 * vocab * 4  # (B, S, V) fp32 logits
     assert sum(tiny_trace.param_bytes.values()) == sum(p.numel() * 4 for p in model.parameters())
-    assert set(tiny_trace.param_bytes) == {"outside", "layer 0", "layer 1"}
+    # The embedding, read before the layers, is ``inputs``: backward makes its gradient last.
+    assert set(tiny_trace.param_bytes) == {"inputs", "outside", "layer 0", "layer 1"}
+    assert tiny_trace.param_bytes["inputs"] == model.embed_tokens.weight.numel() * 4
     per_layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
     assert tiny_trace.param_bytes["layer 0"] == per_layer
 

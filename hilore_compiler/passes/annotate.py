@@ -136,7 +136,18 @@ def is_activation(node: fx.Node) -> bool:
     min-cut hoists into the forward (transposed weights) are not activations:
     they depend on parameters alone and no plan changes them."""
     return (node.op == "call_function" and not is_backward(node)
-            and isinstance(node.meta.get("val"), torch.Tensor))
+            and isinstance(node.meta.get("val"), torch.Tensor) and not _aliases_input(node))
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """A view (``t``, ``permute``, ``view``) of a graph input: the memory is the
+    input's (a weight's, when a checkpointed region reads ``weight.t()``), so
+    keeping it costs nothing and no plan changes it."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if not getattr(node.target, "is_view", False) or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder"
 
 
 def _unit_root(node: fx.Node) -> fx.Node:

@@ -99,8 +99,13 @@ def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: 
     """Bytes of the trained parameters (their gradients' bytes) per backward segment.
 
     A parameter belongs to the layer of the first op that reads it: parameter
-    placeholders carry no module path of their own.
+    placeholders carry no module path of their own. Outside the layer stack,
+    parameters read before the first layer (the embedding) form the segment
+    ``inputs``: backward makes their gradients last, not with the head's.
     """
+    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    first_layer = min((order[n] for n in joint.graph.nodes if n.op == "call_function" and not is_backward(n)
+                       and layer_of(module_fqn(n)) is not None), default=len(order))
     # The joint graph returns (*forward outputs, *one gradient per primal input);
     # a primal with a gradient is a trained parameter (or a differentiable input).
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
@@ -112,7 +117,8 @@ def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: 
             continue
         readers = [u for u in node.users if u.op == "call_function" and not is_backward(u)]
         layer = layer_of(module_fqn(readers[0])) if readers else None
-        segment = "outside" if layer is None else f"layer {layer}"
+        segment = f"layer {layer}" if layer is not None else (
+            "inputs" if readers and order[readers[0]] < first_layer else "outside")
         nbytes = int(eval_size(nbytes_expr(node, symbols), batch, seq_len))
         out[segment] = out.get(segment, 0) + nbytes
     return out

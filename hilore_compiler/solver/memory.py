@@ -23,6 +23,8 @@ So, with ``StepTerms`` (``step_terms``) giving the parts the trace's units do no
                       max over segments g of transient(g) + step(g))
     step(g) = 2 x outputs + grad_workspace(g) + weight gradients of g and of
               every segment backward reaches before g
+    and, at the end of backward, 2 x outputs + every weight gradient (the
+    embedding's, ``inputs``, is made last).
 
 Every term but ``loss`` comes from the trace; ``loss`` is a multiple of the
 outputs' bytes the caller measures for its loss (``bench.measure.loss_side``,
@@ -145,6 +147,9 @@ class StepTerms:
     #: recompute workspace is freed before backward's gradients of the segment
     #: are made, so the two never add: the segment holds the larger.
     gradient_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: The end of backward: outputs and their gradient, every weight's
+    #: gradient (the embedding's, made last, included).
+    end_bytes: int = 0
 
     def recovering(self, segment: str, workspace: int) -> int:
         """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
@@ -153,7 +158,7 @@ class StepTerms:
 
     def floor(self) -> int:
         """The least the step adds to kept bytes, whatever is rebuilt."""
-        return max([self.output_bytes + self.loss_bytes, *self.backward_bytes.values()])
+        return max([self.output_bytes + self.loss_bytes, self.end_bytes, *self.backward_bytes.values()])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,8 +273,9 @@ def step_terms(trace: Trace, units: Sequence[UnitCost], *, batch: int, seq_len: 
             so_far += sum(grads.get(f"layer {i}", 0) for i in layers if i >= int(g.split()[1]))
         gradient[g] = max(u.bytes for u in us) + flowing
         backward[g] = 2 * outputs + gradient[g] + so_far
+    end = 2 * outputs + sum(int(v) for v in trace.param_bytes.values())
     return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
-                     gradient_bytes=gradient)
+                     gradient_bytes=gradient, end_bytes=end)
 
 
 def gc_peak(units: Sequence[UnitCost], step: StepTerms, gc_activations: int) -> int:

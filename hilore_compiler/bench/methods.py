@@ -26,8 +26,11 @@ named with ``--methods``:
 
 - ``gc-chunked``: ``gc`` plus chunked log-probs (``chunk_tokens`` tokens at a
   time under checkpoint, so no (B, T, V) logits tensor is alive), no planning.
-- ``hilore-step``: the hilore backend on the whole step, so the logits and the
-  log-softmax statistics are planned like any other recovery unit.
+- ``hilore-step``: the hilore backend on the whole step with the same chunked
+  log-probs, so the loss side never holds (B, T, V) logits and the planner
+  spends the memory this frees on the layers' activations; its ``x-gc``
+  budget is a multiple of ``gc-chunked``'s measured peak (the runner's),
+  the baseline it competes with.
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ class MethodOptions:
     #: The loss's peak over the logits' bytes (``measure.loss_side``), which
     #: HiLoRe's memory model adds to the step; the worker measures it.
     loss_ratio: float = 0.0
+    #: GC's measured peak (bytes): ``x-gc`` budgets are multiples of it; None:
+    #: of GC's predicted peak. The runner sets it for ``hilore-step`` from
+    #: ``gc-chunked``'s warm-up, the peak of the GC that chunks the same way.
+    gc_peak_bytes: int | None = None
     #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary
     #: one chunk's fp32 logits are 128 * 128256 * 4 B = 66 MB.
     chunk_tokens: int = 128
@@ -231,7 +238,7 @@ def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[
     return {"memory_budget": options.hilore_budget, "codecs": options.hilore_codecs,
             "buckets": options.hilore_buckets if buckets is None else buckets,
             "cache_dir": options.hilore_cache_dir, "verbose": options.verbose,
-            "loss_ratio": options.loss_ratio}
+            "loss_ratio": options.loss_ratio, "gc_peak_bytes": options.gc_peak_bytes}
 
 
 def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_config: Any) -> PreparedMethod:
@@ -244,8 +251,8 @@ def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_conf
     from ..backend import HiLoReBackend
 
     backend = HiLoReBackend(_hilore_options(options))
-    return PreparedMethod(name=name, policy=model, step=compiled_step(model, loss_config, backend=backend),
-                          backend=backend)
+    step = compiled_step(model, loss_config, backend=backend, chunk_tokens=options.chunk_tokens)
+    return PreparedMethod(name=name, policy=model, step=step, backend=backend)
 
 
 def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_config: Any = None) -> PreparedMethod:

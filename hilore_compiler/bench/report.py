@@ -179,7 +179,21 @@ def targets(stats: dict[str, MethodStats], vs_best: PairedRatio | None = None) -
                "needs HiLoRe and a baseline within the ceiling"),
         _compare("HiLoRe gradient cosine", h.cosine if h else None, MIN_COSINE, ">=",
                  "needs HiLoRe and store-all gradients"),
+        *step_targets(stats),
     ]
+
+
+def step_targets(stats: dict[str, MethodStats]) -> list[Target]:
+    """HiLoRe on the whole step against GC + chunked log-probs, when both ran:
+    within 1.10x its measured peak, and faster (the ratio says by how much)."""
+    h, gc = stats.get("hilore-step"), stats.get("gc-chunked")
+    if h is None or gc is None:
+        return []
+    peak = (h.peak_bytes.median / gc.peak_bytes.median) if h.peak_bytes and gc.peak_bytes else None
+    speed = (h.tokens_per_s.median / gc.tokens_per_s.median) if h.tokens_per_s and gc.tokens_per_s else None
+    missing = "needs HiLoRe whole step and GC + chunked log-probs measurements"
+    return [_compare("HiLoRe whole step peak / GC + chunked peak", peak, MEMORY_CEILING, "<=", missing),
+            _compare("HiLoRe whole step speed / GC + chunked speed", speed, 1.0, ">=", missing)]
 
 
 def recovered_fraction(stats: dict[str, MethodStats]) -> float | None:

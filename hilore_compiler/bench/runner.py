@@ -41,13 +41,6 @@ Progress = Callable[[str], None]
 #: Parameter dtypes ``--dtype`` accepts (names of ``torch`` dtypes).
 DTYPES = ("float32", "bfloat16")
 
-#: Methods with an Inductor cache of their own. ``hilore-blind`` compiles the
-#: same graph as ``hilore`` with a plan made inside the compile; the hilore
-#: partitioner's cache identity is then None, which torch 2.13 does not treat
-#: as "do not cache" for a custom partitioner, so a shared cache would serve
-#: it ``hilore``'s partition (its planner never runs: no plan, wrong method).
-OWN_INDUCTOR_CACHE = ("hilore-blind",)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
@@ -213,13 +206,17 @@ class Launcher:
         self.env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         if device == "cpu":
             self.env.update(MMAP_THRESHOLD_ENV)  # the CPU peak's definition needs it (measure.py)
+        #: ``gc-chunked``'s measured warm-up peak once it has set up: the
+        #: ceiling ``hilore-step``'s ``x-gc`` budget is a multiple of.
+        self.chunked_gc_peak: int | None = None
 
     def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
         """Spawn ``method``'s worker, compile and warm it up; a failure is recorded, not raised."""
         name = method + tag
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=self.config.hilore_budget,
-                                hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget)
+                                hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
+                                gc_peak_bytes=self.chunked_gc_peak if method == "hilore-step" else None)
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,
                               seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
                               warmup=self.config.warmup, options=options, grad_path=grad_path,
@@ -227,10 +224,7 @@ class Launcher:
         run = MethodRun(method=method, grad_path=grad_path)
         self.progress(f"{name}: compiling and warming up")
         try:
-            env = self.env
-            if method in OWN_INDUCTOR_CACHE:
-                env = {**env, "TORCHINDUCTOR_CACHE_DIR": f"{env['TORCHINDUCTOR_CACHE_DIR']}-{method}"}
-            run.worker = WorkerProcess(config, env=env, log_path=self.run_dir / f"{name}.log")
+            run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
         except WorkerError as e:
             run.fail(e, self.progress)
@@ -329,6 +323,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
                 runs[method], search = _pt_budget(launcher, runs, progress)
             else:
                 runs[method] = launcher.start(method)
+            if method == "gc-chunked" and warm_peak(runs[method]) is not None:
+                launcher.chunked_gc_peak = int(warm_peak(runs[method]))
         predict_baselines(runs)
         measure_rounds(list(runs.values()), config, progress)
     finally:

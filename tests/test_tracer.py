@@ -186,4 +186,8 @@ def test_graph_breaks_are_traced_and_reported():
     # embedding's output, which is the embedding's unit (one memory, one unit).
     assert any(u.key.startswith("g1/") for u in result.units)
     assert any(not u.key.startswith("g1/") for u in result.units)
-    assert 1 in {u.layer for u in result.units}
+    # Layer 1 (graph 1) saves only a view of its graph's input, graph 0's tanh
+    # output, whose memory graph 0's unit already holds: no unit of its own,
+    # but its weights are attributed to it.
+    assert 1 not in {u.layer for u in result.units}
+    assert result.param_bytes["layer 1"] == (8 * 8 + 8) * 4

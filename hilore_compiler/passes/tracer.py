@@ -21,7 +21,7 @@ import torch.fx as fx
 from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
 from .capture import GraphCapture, capture_joint_graphs
 from .profile import ProfileConfig, profile_unit
-from .sizes import largest, nbytes_expr, shape_symbols, total_nbytes
+from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
 
@@ -113,8 +113,11 @@ def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: 
     grads = list(outputs)[-len(primals):] if primals else []
     out: dict[str, int] = {}
     for node, grad in zip(primals, grads):
-        if grad is None or not isinstance(node.meta.get("val"), torch.Tensor):
+        val = node.meta.get("val")
+        if grad is None or not isinstance(val, torch.Tensor):
             continue
+        if val.dim() >= 2 and tuple(size_hint(d) for d in val.shape[:2]) == (batch, seq_len):
+            continue  # shaped like the batch: an activation input (a block's hidden state), not a weight
         readers = [u for u in node.users if u.op == "call_function" and not is_backward(u)]
         layer = layer_of(module_fqn(readers[0])) if readers else None
         segment = f"layer {layer}" if layer is not None else (

@@ -219,12 +219,14 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
             recompute_from=u.recompute_from, codecs=unit_codecs,
         ))
     units = tuple(units)
-    gc_activations = _size(trace.gc_bytes, batch, seq_len)
-    step = step_terms(trace, units, batch=batch, seq_len=seq_len, gc_activations=gc_activations,
-                      loss_ratio=loss_ratio)
+    segments = _segments(units)
+    gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, _size(trace.gc_bytes, batch, seq_len))
+    # The gradient flowing between layers has a layer input's size.
+    flowing = layer_inputs // max(1, len(gc_rebuilt))
+    step = step_terms(trace, segments, batch=batch, seq_len=seq_len, flowing=flowing, loss_ratio=loss_ratio)
     return CostModel(
         batch=batch, seq_len=seq_len, units=units,
-        gc_bytes=gc_peak(units, step, gc_activations),
+        gc_bytes=gc_kept + gc_worst(gc_rebuilt, step),
         store_bytes=sum(u.bytes for u in units) + step.floor(), step=step,
     )
 
@@ -236,55 +238,50 @@ def _segments(units: Sequence[UnitCost]) -> dict[str, list[UnitCost]]:
     return segments
 
 
-def _gc_parts(units: Sequence[UnitCost], gc_activations: int) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(bytes GC keeps, per layer: (bytes GC rebuilds there, its largest workspace)).
+def _gc_parts(segments: Mapping[str, Sequence[UnitCost]],
+              gc_activations: int) -> tuple[int, dict[str, tuple[int, int]], int]:
+    """(bytes GC keeps, per layer: (bytes GC rebuilds there, its largest workspace), layer inputs' bytes).
 
     The trace's ``gc_bytes`` is layer inputs + outside + the largest layer +
     the largest workspace (``tracer.gc_bytes_expr``); the layer inputs are
     what is left when the rest, known from the units, is taken off.
     """
-    segments = _segments(units)
     outside = sum(u.bytes for u in segments.get("outside", []))
     layers = {g: us for g, us in segments.items() if g != "outside"}
     rebuilt = {g: (sum(u.bytes for u in us), max(u.recompute_transient for u in us)) for g, us in layers.items()}
-    largest = max((sum(u.bytes for u in us) for us in layers.values()), default=0)
-    workspace = max((u.recompute_transient for u in units), default=0)
+    largest = max((held for held, _ in rebuilt.values()), default=0)
+    workspace = max((u.recompute_transient for us in segments.values() for u in us), default=0)
     inputs = max(0, gc_activations - outside - largest - workspace)
-    return inputs + outside, rebuilt
+    return inputs + outside, rebuilt, inputs
 
 
-def step_terms(trace: Trace, units: Sequence[UnitCost], *, batch: int, seq_len: int,
-               gc_activations: int, loss_ratio: float) -> StepTerms:
-    """The step's terms at (batch, seq_len) (module docstring)."""
+def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batch: int, seq_len: int,
+               flowing: int, loss_ratio: float) -> StepTerms:
+    """The step's terms at (batch, seq_len) (module docstring); ``flowing``: the
+    bytes of the gradient passed between layers."""
     outputs = _size(trace.output_bytes, batch, seq_len)
-    segments = _segments(units)
-    layers = sorted(int(g.split()[1]) for g in segments if g != "outside")
-    # The gradient flowing between layers has a layer input's size.
-    kept_inputs, _ = _gc_parts(units, gc_activations)
-    outside = sum(u.bytes for u in segments.get("outside", []))
-    flowing = (kept_inputs - outside) // max(1, len(layers))
-    grads = {g: int(trace.param_bytes.get(g, 0)) for g in segments}
+    grads = trace.param_bytes
+    layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
     backward: dict[str, int] = {}
     gradient: dict[str, int] = {}
     for g, us in segments.items():
         # Backward meets the head (outside) first, then the layers from the last one.
         so_far = grads.get("outside", 0)
         if g != "outside":
-            so_far += sum(grads.get(f"layer {i}", 0) for i in layers if i >= int(g.split()[1]))
+            so_far += sum(grads.get(group_of(i), 0) for i in layers if i >= us[0].layer)
         gradient[g] = max(u.bytes for u in us) + flowing
         backward[g] = 2 * outputs + gradient[g] + so_far
-    end = 2 * outputs + sum(int(v) for v in trace.param_bytes.values())
+    end = 2 * outputs + sum(grads.values())
     return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
                      gradient_bytes=gradient, end_bytes=end)
 
 
-def gc_peak(units: Sequence[UnitCost], step: StepTerms, gc_activations: int) -> int:
-    """GC's predicted step peak: its kept bytes plus the worst of the loss and each layer's backward."""
-    kept, rebuilt = _gc_parts(units, gc_activations)
-    worst = max([step.output_bytes + step.loss_bytes,
-                 *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
-                 *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])
-    return kept + worst
+def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
+    """What GC's step holds at its worst moment besides its kept bytes: the loss,
+    or a layer's backward with that layer rebuilt (``rebuilt``: ``_gc_parts``)."""
+    return max([step.output_bytes + step.loss_bytes,
+                *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
+                *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

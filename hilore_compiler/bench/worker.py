@@ -108,7 +108,9 @@ class Worker:
         vocab = self.model.config.vocab_size
         self.data = make_data(vocab, config.batch, config.seq_len, config.seed, self.device)
         self.loss_config = GRPOConfig()
-        self.old_logprobs = self._old_logprobs()
+        # Only the step methods take old log-probs as an input; the others' loss
+        # uses the step's own (on-policy), so no forward is spent on them here.
+        self.old_logprobs = self._old_logprobs() if config.method in STEP_METHODS else None
         options = config.options
         if config.method in HILORE_BACKENDS and config.method not in STEP_METHODS:
             # The eager loss after the compiled policy is part of the step's

@@ -159,7 +159,8 @@ def trace(
     """
     say = _progress(config)
     start = time.perf_counter()
-    if config.dynamic and _leading_size(example_inputs, example_kwargs) == 1:
+    lead = _first_tensor(example_inputs, example_kwargs)
+    if config.dynamic and lead is not None and lead.dim() >= 1 and lead.shape[0] == 1:
         # Dynamo specialises a size-1 dim to the constant 1, so a batch-1
         # trace would read ``1024*S`` and plan batch 2 at half its bytes.
         example_inputs, example_kwargs = _doubled(example_inputs), _doubled(example_kwargs or {})
@@ -169,17 +170,16 @@ def trace(
     captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss, dynamic=config.dynamic,
                                     example_kwargs=example_kwargs)
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
-    first = next(x for x in [*example_inputs, *(example_kwargs or {}).values()] if isinstance(x, torch.Tensor))
-    shape = tuple(first.shape)
+    shape = tuple(_first_tensor(example_inputs, example_kwargs).shape)
     batch, seq_len = (shape + (1, 1))[:2]
     result = trace_captures(captures, int(batch), int(seq_len), config)
     say(f"{len(result.units)} recovery units, done in {time.perf_counter() - start:.1f}s")
     return result
 
 
-def _leading_size(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int | None:
-    first = next((x for x in [*inputs, *(kwargs or {}).values()] if isinstance(x, torch.Tensor)), None)
-    return int(first.shape[0]) if first is not None and first.dim() >= 1 else None
+def _first_tensor(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None) -> torch.Tensor | None:
+    """The first tensor among the inputs, then the keyword inputs: its dims are B and S."""
+    return next((x for x in [*inputs, *(kwargs or {}).values()] if isinstance(x, torch.Tensor)), None)
 
 
 def _doubled(values: Any) -> Any:

@@ -3,13 +3,15 @@
 Variables, per nonzero bucket b
     x[b, u, o]  binary: recovery unit u takes option o (store,
                 compress:<codec>, recompute) in bucket b. One per unit.
-    T[b]        continuous: the most bytes b's backward holds at once to
-                recover units (``memory.py``): the recomputed and decoded units
-                of one layer plus one unit's recompute workspace. Every term is
-                linear in x, so T >= each of them needs no auxiliary
-                variables; the per-layer sum is the conservative upper bound
-                of "a unit plus its recomputed inputs" (those lie in its
-                layer by the chain rule).
+    T[b]        continuous: the most bytes b's step holds at once besides kept
+                ones (``memory.py``): at each cut of a segment, its rebuilt
+                units, workspace and backward terms. A unit's bytes count at
+                the cuts of its window when it is not stored; a recomputed
+                unit's also after it, through z[b, u, p] >= x[b, v, R] -
+                x[b, u, S] for each recomputed reader v rebuilt at p
+                (``memory.rebuilt_from``). z and the segment's workspace
+                W[b, g] are continuous: minimising time under a ceiling on T
+                never gains from raising them.
 
 Objective: minimise the expected recovery time over a batch's exposure mix,
 sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
@@ -32,22 +34,26 @@ stalls on gaps that are pure round-off; a 41-unit trace in milliseconds did.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pulp
 
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE
-from .memory import CostModel, group_of
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
+from .memory import CostModel, Segment, group_of, plan_risk
 
 #: Memory and time enter the ILP in thousandths of a reference (see
 #: ``_Formulation.byte_unit``), so coefficients are ~1e-3..1e3 on any model.
 SCALE = 1e3
+#: Relative slack on a byte budget inside the ILP (``_min_time_problem``); far
+#: below the planner's re-simulation tolerance, under a byte up to 1 GB.
+BUDGET_SLACK = 1e-9
 #: A binary counts as chosen above this value: CBC returns integers only up to
 #: its integrality tolerance (1e-6), so never compare with ``== 1``.
 CHOSEN = 0.5
@@ -197,31 +203,58 @@ class _Bucket:
 
     def _largest_transient(self) -> None:
         # T covers what the step holds at once besides kept bytes (memory.py):
-        # the loss's peak, or, while backward recovers a unit w of segment g,
-        # every recomputed or decoded unit of g (full bytes), w's recompute
-        # workspace if w is recomputed, and g's backward terms (a constant).
+        # the loss's peak, or, at each cut p of a segment g, the units rebuilt
+        # there, g's recompute workspace or gradient workspace (the larger), and
+        # g's other backward terms (a constant). Unit u is rebuilt at p when
+        #   p in u's window:  it is not stored (1 - x[u,S]);
+        #   p after it:       z[u,p] >= r[v,p] - x[u,S] for each reader v,
+        # r[v,p] "v is recomputed and rebuilt at p" (x[v,R] in v's window,
+        # z[v,p] after it): recomputing v reads u, so u is rebuilt with it.
         byte_unit, prob = self.problem.byte_unit, self.problem.prob
         step = self.model.step
         self.T.lowBound = step.floor() / byte_unit
-        held: dict[str, list] = {}
-        for u in self.model.units:
-            rebuilt = self._compressed(u.key)
-            if u.recomputable:
-                rebuilt += self.x[u.key, RECOMPUTE]
-            if len(rebuilt) > 0:
-                held.setdefault(group_of(u.layer), []).append(u.bytes / byte_unit * rebuilt)
-        for i, (g, terms) in enumerate(held.items()):
-            constant = step.backward_bytes.get(g, 0) / byte_unit
-            prob += self.T >= pulp.lpSum(terms) + constant, f"transient_layer_{self.tag}_{i}"
-        for i, w in enumerate(self.model.units):
-            if w.recomputable and w.recompute_transient > 0:
-                g = group_of(w.layer)
-                workspace = w.recompute_transient / byte_unit * self.x[w.key, RECOMPUTE]
-                # With w's workspace alive the segment's gradient workspace is not yet
-                # (memory.StepTerms.recovering); the constraint above covers it after.
-                rest = step.backward_bytes.get(g, 0) - step.gradient_bytes.get(g, 0)
-                prob += self.T >= pulp.lpSum(held[g]) + workspace + rest / byte_unit, \
-                    f"transient_workspace_{self.tag}_{i}"
+        for s, segment in enumerate(self.model.segments):
+            units = segment.units
+            if all(u.options == (STORE,) for u in units):
+                continue  # nothing rebuilt: floor() covers the segment
+            gradient = step.gradient_bytes.get(segment.name, 0)
+            # The larger of the gradient workspace and any recompute workspace.
+            workspace = _variable(prob, f"W_{self.tag}_{s}", low=gradient / byte_unit)
+            for i, u in enumerate(units):
+                if u.recomputable and u.recompute_transient > 0:
+                    prob += workspace >= u.recompute_transient / byte_unit * self.x[u.key, RECOMPUTE], \
+                        f"workspace_{self.tag}_{s}_{i}"
+            early = self._rebuilt_early(s, segment)
+            rest = (step.backward_bytes.get(segment.name, 0) - gradient) / byte_unit
+            for cut in segment.peak_cuts:
+                alive = [u.bytes / byte_unit * (1 - self.x[u.key, STORE])
+                         for i, u in enumerate(units) if cut in segment.window(i)]
+                alive += [units[i].bytes / byte_unit * z for (i, p), z in early.items() if p == cut]
+                prob += self.T >= pulp.lpSum(alive) + workspace + rest, f"transient_{self.tag}_{s}_{cut}"
+
+    def _rebuilt_early(self, s: int, segment: Segment) -> dict[tuple[int, int], pulp.LpVariable]:
+        """z[i, p] for each unit i and cut p after its window at which a recomputed
+        reader can have it rebuilt (``memory.rebuilt_from``), with its constraints."""
+        prob, units, n = self.problem.prob, segment.units, len(segment.units)
+        early: dict[tuple[int, int], pulp.LpVariable] = {}
+        # Readers come after the units they read, so walking backwards defines them first.
+        for i in reversed(range(n)):
+            u = units[i]
+            readers = [j for j in segment.readers[i] if units[j].recomputable]
+            if not u.recomputable or not readers:
+                continue
+            for cut in (c for c in segment.peak_cuts if c > segment.needed_until[i]):
+                rebuilt = [self.x[units[j].key, RECOMPUTE] if cut in segment.window(j) else early.get((j, cut))
+                           for j in readers]
+                rebuilt = [r for r in rebuilt if r is not None]
+                if not rebuilt:
+                    continue
+                z = early[i, cut] = _variable(prob, f"z_{self.tag}_{s}_{i}_{cut}", low=0)
+                for k, r in enumerate(rebuilt):
+                    # r = 1 makes u stored or recomputed (exact inputs), so this is
+                    # z >= x[u,R] + r - 1 on integers, and tighter when relaxed.
+                    prob += z >= r - self.x[u.key, STORE], f"early_{self.tag}_{s}_{i}_{cut}_{k}"
+        return early
 
     def memory(self) -> pulp.LpAffineExpression:
         """Kept bytes (stored + compressed) plus the largest transient, in byte units."""
@@ -342,6 +375,68 @@ def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
                for w in weights)
 
 
+def _min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int,
+                      risk_budget: float) -> tuple[_Problem, float]:
+    """The fastest plans within the ceiling and error budget, and its objective's seconds per unit."""
+    problem = _Problem(model, "hilore_min_time", weights)
+    problem.prob += problem.expected_time()
+    # Round-off slack: the terms, scaled, sum to the budget only within ~1e-10
+    # of it, and a plan exactly at the budget (the least one) must still fit.
+    problem.every_bucket_fits(budget_bytes / problem.byte_unit * (1 + BUDGET_SLACK))
+    problem.error_within_budget(risk_budget)
+    return problem, problem.second_unit
+
+
+def _min_memory_problem(model: CostModel, weights: Sequence[BucketWeight], *,
+                        risk_budget: float) -> tuple[_Problem, float]:
+    """The plans whose largest bucket memory is least, and its objective's bytes per unit."""
+    problem = _Problem(model, "hilore_min_memory", weights)
+    ceiling = _variable(problem.prob, "M_ceiling", low=0)
+    problem.prob += ceiling
+    problem.every_bucket_fits(ceiling)
+    problem.error_within_budget(risk_budget)
+    return problem, problem.byte_unit
+
+
+def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callable[..., tuple[_Problem, float]],
+                 combine: Callable[[list[float]], float], *, risk_budget: float,
+                 options: SolverOptions) -> IlpResult | None:
+    """A joint problem solved one bucket at a time, when that is exact.
+
+    Only the error budget couples the buckets. Each bucket alone, given the
+    whole budget, is a relaxation of its part of the joint problem; when the
+    plans found that way add up to no more error than the budget together,
+    they solve the joint problem, whose objective ``combine``s the buckets'
+    (the sum of their times, the largest of their memories) and so does its
+    bound. Otherwise (the budget binds) or if a bucket finds nothing, None:
+    the caller solves the joint problem. Worth it because CBC branches on the
+    alike buckets of a joint problem at once: on the shipped small trace the
+    three-bucket min-memory problem stopped at its 12 s limit unproven, while
+    each bucket alone is solved in well under a second.
+    """
+    if len(weights) < 2:
+        return None
+    parts: list[IlpResult] = []
+    for w in weights:
+        problem, scale = make(model, [w], risk_budget=risk_budget)
+        try:
+            part = _run_cbc(problem, options, scale=scale)
+        except _NoPlanInTime:
+            return None
+        if part is None:
+            return None
+        parts.append(part)
+    decisions = {w.name: part.decisions[w.name] for w, part in zip(weights, parts)}
+    if sum(plan_risk(model, decisions[w.name], w.mass) for w in weights) > risk_budget:
+        return None
+    bounds = [part.bound for part in parts]
+    return IlpResult(decisions=decisions,
+                     status="optimal" if all(part.status == "optimal" for part in parts) else "feasible",
+                     seconds=sum(part.seconds for part in parts),
+                     objective=combine([part.objective for part in parts]),
+                     bound=None if None in bounds else combine(bounds))
+
+
 def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[BucketWeight],
                    risk_budget: float, options: SolverOptions,
                    start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
@@ -354,10 +449,11 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     from ``start`` only if it found nothing in time, and ``start`` is returned
     if CBC stopped early with a slower plan.
     """
-    problem = _Problem(model, "hilore_min_time", weights)
-    problem.prob += problem.expected_time()
-    problem.every_bucket_fits(budget_bytes / problem.byte_unit)
-    problem.error_within_budget(risk_budget)
+    make = functools.partial(_min_time_problem, budget_bytes=budget_bytes)
+    apart = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
+    if apart is not None:
+        return apart
+    problem, _ = make(model, weights, risk_budget=risk_budget)
     try:
         result = _run_cbc(problem, options, scale=problem.second_unit)
     except _NoPlanInTime:
@@ -379,12 +475,10 @@ def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_
 
     Always feasible: storing every unit satisfies every constraint.
     """
-    problem = _Problem(model, "hilore_min_memory", weights)
-    ceiling = _variable(problem.prob, "M_ceiling", low=0)
-    problem.prob += ceiling
-    problem.every_bucket_fits(ceiling)
-    problem.error_within_budget(risk_budget)
-    result = _run_cbc(problem, options, scale=problem.byte_unit)
+    result = _solve_apart(model, weights, _min_memory_problem, max, risk_budget=risk_budget, options=options)
+    if result is None:
+        problem, scale = _min_memory_problem(model, weights, risk_budget=risk_budget)
+        result = _run_cbc(problem, options, scale=scale)
     if result is None:
         raise RuntimeError("CBC reports the min-memory problem infeasible, yet store-all satisfies it")
     return result

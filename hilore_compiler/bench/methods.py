@@ -13,7 +13,9 @@ in what the backward pass gets to keep:
 - ``uniform-int8``: the hilore backend with a plan that compresses every
   recovery unit int8 can encode and stores the rest: compression without
   exposure or cost awareness.
-- ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``.
+- ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``, a
+  multiple of ``gc``'s measured peak when ``gc`` ran first (the runner's),
+  else of GC's predicted peak.
 - ``hilore-blind``: the same backend, budget and codecs with one exposure
   bucket: int8/bf16 compression mixed with recompute, blind to exposure;
   the strongest exposure-blind competitor at HiLoRe's memory.
@@ -110,8 +112,9 @@ class MethodOptions:
     #: HiLoRe's memory model adds to the step; the worker measures it.
     loss_ratio: float = 0.0
     #: GC's measured peak (bytes): ``x-gc`` budgets are multiples of it; None:
-    #: of GC's predicted peak. The runner sets it for ``hilore-step`` from
-    #: ``gc-chunked``'s warm-up, the peak of the GC that chunks the same way.
+    #: of GC's predicted peak. The runner sets it from the warm-up of the GC
+    #: that runs the same step (``runner.REFERENCE_GC``): ``gc`` for ``hilore``
+    #: and ``hilore-blind``, ``gc-chunked`` for ``hilore-step``.
     gc_peak_bytes: int | None = None
     #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary
     #: one chunk's fp32 logits are 128 * 128256 * 4 B = 66 MB.

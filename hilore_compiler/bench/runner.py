@@ -196,6 +196,11 @@ class BenchRun:
     run_dir: str | None
 
 
+#: The GC method whose measured peak each HiLoRe method's ``x-gc`` budget
+#: refers to: the one that runs the same step (eager or compiled loss).
+REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "hilore-step": "gc-chunked"}
+
+
 class Launcher:
     """Starts and sets up workers that share one run's configuration and caches."""
 
@@ -206,9 +211,11 @@ class Launcher:
         self.env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         if device == "cpu":
             self.env.update(MMAP_THRESHOLD_ENV)  # the CPU peak's definition needs it (measure.py)
-        #: ``gc-chunked``'s measured warm-up peak once it has set up: the
-        #: ceiling ``hilore-step``'s ``x-gc`` budget is a multiple of.
-        self.chunked_gc_peak: int | None = None
+        #: Measured warm-up peaks of the GC methods set up so far: the
+        #: ceilings the HiLoRe methods' ``x-gc`` budgets are multiples of
+        #: (``REFERENCE_GC``), so that they plan to the same measured ceiling
+        #: the report holds every method to.
+        self.gc_peaks: dict[str, int] = {}
 
     def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
         """Spawn ``method``'s worker, compile and warm it up; a failure is recorded, not raised."""
@@ -216,7 +223,7 @@ class Launcher:
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=self.config.hilore_budget,
                                 hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
-                                gc_peak_bytes=self.chunked_gc_peak if method == "hilore-step" else None)
+                                gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")))
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,
                               seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
                               warmup=self.config.warmup, options=options, grad_path=grad_path,
@@ -323,8 +330,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
                 runs[method], search = _pt_budget(launcher, runs, progress)
             else:
                 runs[method] = launcher.start(method)
-            if method == "gc-chunked" and warm_peak(runs[method]) is not None:
-                launcher.chunked_gc_peak = int(warm_peak(runs[method]))
+            if method in REFERENCE_GC.values() and warm_peak(runs[method]) is not None:
+                launcher.gc_peaks[method] = int(warm_peak(runs[method]))
         predict_baselines(runs)
         measure_rounds(list(runs.values()), config, progress)
     finally:

@@ -34,7 +34,7 @@ from hilore_compiler.bench.report import (
     summarise,
     to_json,
 )
-from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun, run_bench
+from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun, resolve_device, run_bench
 from hilore_compiler.bench.search import Probe, choose, grid, search_budget
 from hilore_compiler.bench.worker import Worker, WorkerConfig, actor_step, flat_grad, make_data
 from hilore_compiler.cli import build_parser
@@ -74,6 +74,15 @@ def test_cuda_peak_sees_a_known_allocation():
     sample = measure_step(lambda: torch.ones(16 * MB, device="cuda"), "cuda")
     assert sample.peak_bytes == 64 * MB
     del held
+
+
+def test_cuda_without_a_gpu_fails_before_any_worker(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device.*--device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        run_bench(BenchConfig(device="cuda", methods=("gc",)), progress=lambda _: None)
 
 
 def test_gradient_fidelity():
@@ -116,6 +125,14 @@ def test_uniform_plan_compresses_every_unit_where_int8_is_usable():
         expected = "compress:int8" if cost is not None and cost.usable else "store"
         assert dict(bucket.decisions)[unit.key] == expected
     assert "recompute" not in dict(bucket.decisions).values()
+    # Its predicted peak counts the eager loss as HiLoRe's plans do: the loss phase
+    # (kept + outputs + loss) grows with the ratio the worker measured.
+    import dataclasses
+
+    with_outputs = dataclasses.replace(trace, output_bytes="100000")
+    bare, lossy = (next(b for b in uniform_plan(with_outputs, "int8", ratio).buckets if not b.skip)
+                   for ratio in (0.0, 3.0))
+    assert lossy.memory_bytes == bare.kept_bytes + 100000 + 300000 > bare.memory_bytes
 
 
 def test_hilore_blind_is_hilore_with_one_bucket(tmp_path):

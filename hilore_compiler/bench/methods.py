@@ -188,15 +188,16 @@ def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None) -
     return model
 
 
-def uniform_plan(trace: Any, codec: str) -> Plan:
+def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0) -> Plan:
     """A plan with ``compress:<codec>`` on every unit where the codec is usable, else ``store``.
 
     One bucket (one compiled variant): the decisions ignore exposure and cost.
-    ``solver.fixed`` checks them against the rules and predicts their bytes.
+    ``solver.fixed`` checks them against the rules and predicts their bytes
+    (with the loss's peak, ``loss_ratio``, as HiLoRe's plans are).
     """
     from ..solver import fixed_plan, uniform_codec
 
-    return fixed_plan(trace, uniform_codec(codec), buckets=1, label=f"uniform-{codec}")
+    return fixed_plan(trace, uniform_codec(codec), buckets=1, label=f"uniform-{codec}", loss_ratio=loss_ratio)
 
 
 class UniformCodecBackend:
@@ -232,7 +233,7 @@ class UniformCodecBackend:
         return trace
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        plan = uniform_plan(self._trace(gm, example_inputs), self.codec)
+        plan = uniform_plan(self._trace(gm, example_inputs), self.codec, self.options.loss_ratio)
         self.inner.options = dataclasses.replace(self.options, plan=plan)
         return self.inner(gm, example_inputs)
 

@@ -101,9 +101,17 @@ QUICK = {"model": "tiny", "seq_len": 128, "repeats": 3, "steps_per_round": 2, "w
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` if available else ``cpu``; others unchanged."""
+    """``auto`` -> ``cuda`` if available else ``cpu``; others unchanged, once checked.
+
+    Checked here, before any worker starts, so that ``--device cuda`` without
+    a GPU fails in one line instead of once per method inside the workers.
+    """
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise ValueError(f"--device cuda, but torch sees no CUDA device ({build}): run on a machine "
+                         "with a GPU and a CUDA build of torch, or use --device cpu")
     return device
 
 

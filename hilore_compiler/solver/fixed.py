@@ -30,14 +30,17 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
                buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS, codecs=None,
                batch: int | None = None, seq_len: int | None = None,
                exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-               label: str = "fixed") -> Plan:
+               label: str = "fixed", loss_ratio: float = 0.0) -> Plan:
     """A plan with given decisions; raises ValueError when a decision breaks the
     rules (recompute from a compressed unit, an unusable codec, a non-recomputable unit).
+
+    ``loss_ratio``: the loss's peak over the graph outputs' bytes, as in
+    ``solve``; the predicted peaks leave the loss out when it is 0.
 
     The budget recorded is the largest bucket memory; the risk budget is the
     plans' own summed risk (nothing was solved against one).
     """
-    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len)
+    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
     exposures = mix_exposures(exposure_mix)
     shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
     plans = []

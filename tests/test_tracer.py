@@ -108,6 +108,20 @@ def test_layers_kinds_and_codecs(tiny_trace):
     assert eval_size(tiny_trace.gc_bytes, 2, 32) < eval_size(tiny_trace.store_bytes, 2, 32)
 
 
+def test_codec_time_is_its_traffic_at_the_measured_copy_bandwidth(tiny_trace):
+    """A fused round trip reads and writes the tensor and the payload once each
+    (passes/profile.py): its time is that traffic over the copy bandwidth."""
+    from hilore_compiler.passes.profile import copy_bandwidth
+
+    bandwidth = copy_bandwidth(torch.device("cpu"))
+    assert bandwidth > 1e8  # bytes/s; any machine that trains moves more
+    for u in tiny_trace.units:
+        for name, cost in u.codecs.items():
+            if cost.usable:
+                moved = 2 * (u.bytes_at_trace + eval_size(cost.bytes, 2, 32))
+                assert cost.time_s == pytest.approx(moved / bandwidth, rel=1e-9), (u.key, name)
+
+
 _KEYS_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from hilore_compiler.models import build_model

@@ -102,14 +102,20 @@ def _representatives(trace: Trace, layer: int | None) -> dict[str, RecoveryUnit]
 
 def measured_error(model: torch.nn.Module, example_inputs: Sequence[Any],
                    loss_fn: Callable[[Any], torch.Tensor], trace: Trace,
-                   plans: Sequence[Mapping[str, str]]) -> list[float]:
-    """Relative gradient error of each plan (``{unit key: option}``, others stored) vs store-all."""
+                   plans: Sequence[Mapping[str, str]],
+                   progress: Callable[[str], None] | None = None) -> list[float]:
+    """Relative gradient error of each plan (``{unit key: option}``, others stored) vs store-all.
+
+    ``progress`` hears of each plan as it starts: each is one forward and backward.
+    """
     gm, inputs = _grab_graph(model, example_inputs)
     params = [p for p in model.parameters() if p.requires_grad]
     store_all = {u.key: STORE for u in trace.units}
     exact = _gradient(gm, inputs, params, loss_fn, store_all)
     out = []
-    for plan in plans:
+    for i, plan in enumerate(plans):
+        if progress is not None:
+            progress(f"{i + 1}/{len(plans)}: {', '.join(f'{k} {o}' for k, o in plan.items())}")
         approx = _gradient(gm, inputs, params, loss_fn, {**store_all, **plan})
         out.append(float((approx - exact).norm() / exact.norm().clamp_min(1e-30)))
     for p in params:
@@ -130,8 +136,13 @@ def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Ca
     pairs = [(kind, unit, codec) for kind, unit in _representatives(trace, config.layer).items()
              for codec, cost in unit.codecs.items()
              if cost.usable and (config.codecs is None or codec in config.codecs)]
+
+    def progress(message: str) -> None:
+        print(f"hilore calibrate: {message}", file=sys.stderr, flush=True)
+
     errors = measured_error(model, example_inputs, loss_fn, trace,
-                            [{unit.key: compress(codec)} for _, unit, codec in pairs])
+                            [{unit.key: compress(codec)} for _, unit, codec in pairs],
+                            progress=progress if config.verbose else None)
     measured: dict[tuple[str, str], float] = {}
     for (kind, _, codec), rel in zip(pairs, errors):
         measured[kind, codec] = rel

@@ -1,0 +1,51 @@
+"""Per-bucket decisions on the checked-in traces, against the exposure-blind control.
+
+Prints the README's table "Per-bucket decisions at 1.10x-gc": for each trace
+and error target, each bucket's plan, the summed risk against the budget, and
+the recovery time over the default exposure mix (each bucket's time weighted
+by its share of samples) of the joint plan and of the exposure-blind one at
+the same memory and error budget. Run from the repository root:
+
+    python3 bench/bucket_decisions.py
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hilore_compiler.planfile import BucketPlan
+from hilore_compiler.solver import solve
+from hilore_compiler.solver.fixed import exposure_blind_plan
+
+CASES = (("small", "traces/small-cpu-T2048.json"), ("8B", "traces/llama-8b-roofline-h100.json"))
+TARGETS = ("cos>=0.999", "cos>=0.99999")
+
+
+def describe(bucket: BucketPlan) -> str:
+    counts = Counter(option for _, option in bucket.decisions)
+    parts = [f"{counts.pop('store', 0)} store", f"{counts.pop('recompute', 0)} recompute"]
+    parts += [f"{n} {option.removeprefix('compress:')}" for option, n in counts.most_common()]
+    return ", ".join(parts)
+
+
+def mix_seconds(buckets: list[BucketPlan]) -> float:
+    return sum(b.sample_share * b.time_s for b in buckets)
+
+
+def main() -> None:
+    print("| trace, target | b0 | b1 | b2 | summed risk / budget | recovery time over the mix: buckets vs blind |")
+    print("|---|---|---|---|---|---|")
+    for name, path in CASES:
+        for target in TARGETS:
+            plan = solve(path, "1.10x-gc", risk_budget=target)
+            joint = [b for b in plan.buckets if not b.skip]
+            blind = [b for b in exposure_blind_plan(path, "1.10x-gc", risk_budget=target).buckets if not b.skip]
+            risk = sum(b.risk for b in joint)
+            print(f"| {name}, {target.replace('cos>=', 'cos >= ')} | "
+                  + " | ".join(describe(b) for b in joint)
+                  + f" | {risk:.1e} / {plan.risk_budget:.1e} | {mix_seconds(joint) * 1e3:.1f} vs "
+                    f"{mix_seconds(blind) * 1e3:.1f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

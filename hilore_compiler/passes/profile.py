@@ -5,9 +5,10 @@ recompute region is extracted into its own graph and re-run from the saved
 values it reads (warm-up, repeats, median); each codec encodes and decodes
 the real saved tensor for its error, and its time is the memory traffic of a
 fused round trip at the machine's measured copy bandwidth
-(``_codec_measured_seconds`` says why not the eager round trip). Roofline costs estimate the same from FLOPs
-and bytes with a device's published peaks (``costmodel``), so a trace for a
-GPU can be made on a machine without one, even for a model on the meta device.
+(``_codec_measured_seconds`` says why not the eager round trip). Roofline
+costs estimate the same from FLOPs and bytes with a device's published peaks
+(``costmodel``), so a trace for a GPU can be made on a machine without one,
+even for a model on the meta device.
 """
 
 from __future__ import annotations

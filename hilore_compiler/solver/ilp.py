@@ -45,8 +45,8 @@ from pathlib import Path
 
 import pulp
 
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
-from .memory import CostModel, Segment, group_of, plan_risk
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
+from .memory import CostModel, Segment, plan_risk
 
 #: Memory and time enter the ILP in thousandths of a reference (see
 #: ``_Formulation.byte_unit``), so coefficients are ~1e-3..1e3 on any model.
@@ -450,16 +450,15 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     if CBC stopped early with a slower plan.
     """
     make = functools.partial(_min_time_problem, budget_bytes=budget_bytes)
-    apart = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
-    if apart is not None:
-        return apart
-    problem, _ = make(model, weights, risk_budget=risk_budget)
-    try:
-        result = _run_cbc(problem, options, scale=problem.second_unit)
-    except _NoPlanInTime:
-        if start is None:
-            raise
-        result = _run_cbc(problem, options, scale=problem.second_unit, start=start)
+    result = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
+    if result is None:
+        problem, _ = make(model, weights, risk_budget=risk_budget)
+        try:
+            result = _run_cbc(problem, options, scale=problem.second_unit)
+        except _NoPlanInTime:
+            if start is None:
+                raise
+            result = _run_cbc(problem, options, scale=problem.second_unit, start=start)
     if result is not None and start is not None and result.status != "optimal":
         # Stopped early: never return plans slower than the known ones.
         start_s = expected_time_s(model, weights, start)

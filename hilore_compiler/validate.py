@@ -129,7 +129,7 @@ def trace_problems(trace: Any, where: str) -> list[str]:
     return problems
 
 
-#: A backward segment's name (``solver.memory.group_of``).
+#: A backward segment's name (``vocabulary.group_of``, or ``inputs``).
 _SEGMENT = re.compile(r"^(outside|inputs|layer \d+)$")
 
 

@@ -33,6 +33,14 @@ CODEC_META_KEY = "hilore_codec"
 ZERO_BUCKET = "zero"
 
 
+def group_of(layer: int | None) -> str:
+    """The backward segment of a layer's units and weights: ``layer <i>``, or
+    ``outside`` for those outside the layer stack. The trace's ``param_bytes``
+    and the memory model (``solver.memory``) key their segments by it."""
+    return "outside" if layer is None else f"layer {layer}"
+
+
+
 def compress(codec: str) -> str:
     """The option that keeps a unit compressed with ``codec``: ``compress:<codec>``."""
     return COMPRESS_PREFIX + codec

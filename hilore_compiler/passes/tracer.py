@@ -24,6 +24,7 @@ from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
+from ..vocabulary import group_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,8 +121,8 @@ def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: 
             continue  # shaped like the batch: an activation input (a block's hidden state), not a weight
         readers = [u for u in node.users if u.op == "call_function" and not is_backward(u)]
         layer = layer_of(module_fqn(readers[0])) if readers else None
-        segment = f"layer {layer}" if layer is not None else (
-            "inputs" if readers and order[readers[0]] < first_layer else "outside")
+        before_layers = layer is None and bool(readers) and order[readers[0]] < first_layer
+        segment = "inputs" if before_layers else group_of(layer)
         nbytes = int(eval_size(nbytes_expr(node, symbols), batch, seq_len))
         out[segment] = out.get(segment, 0) + nbytes
     return out

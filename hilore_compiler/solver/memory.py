@@ -84,7 +84,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..tracefile import Trace, eval_size, parse_size
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, codec_of
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, codec_of, group_of
 from .risk import sensitivity
 
 
@@ -369,11 +369,6 @@ class Prediction:
     kept_bytes: int
     transient_bytes: int
     time_s: float
-
-
-def group_of(layer: int | None) -> str:
-    """The backward segment a unit is recovered in: its layer, or ``outside``."""
-    return "outside" if layer is None else f"layer {layer}"
 
 
 def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:

@@ -7,11 +7,13 @@ joint-graph passes and codegen stay as they are and no global config changes.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import time
 import uuid as uuid_module
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..passes.annotate import is_activation
-from ..passes.apply import apply_decisions
+from ..passes.apply import apply_decisions, in_forward
 from ..passes.capture import saved_output_names
 
 from .matching import nodes_nbytes, unit_nbytes
@@ -82,6 +84,44 @@ def graph_flops(gm: fx.GraphModule) -> int:
     return total
 
 
+@contextlib.contextmanager
+def encodes_in_forward(joint: fx.GraphModule) -> Iterator[None]:
+    """Within this block, min-cut counts the joint graph's encode nodes as forward nodes.
+
+    Min-cut bans recomputing a ``MUST_SAVE`` node only when the forward
+    outputs need it. A codec's payload is needed by backward alone, so
+    min-cut was free to save the full-precision root and re-run the encode in
+    backward, and did so where one root fed two payloads (4x the planned
+    bytes for that unit). Counted as forward nodes, the payloads are banned
+    from backward like any stored value. Torch builds without
+    ``classify_nodes`` keep their own partition.
+    """
+    import torch._functorch.partitioners as partitioners
+
+    classify = getattr(partitioners, "classify_nodes", None)
+    if classify is None or not any(in_forward(n) for n in joint.graph.nodes):
+        yield
+        return
+
+    def classify_with_encodes(graph_module: fx.GraphModule, *args: Any, **kwargs: Any):
+        # min-cut classifies its own copy of the joint graph (after CSE), so
+        # the encode nodes are found there, by the flag node_copy keeps.
+        info = classify(graph_module, *args, **kwargs)
+        required = type(info._required_fw_nodes)(info._required_fw_nodes)
+        required.update(n for n in graph_module.graph.nodes
+                        if in_forward(n) and n not in info.required_bw_nodes)
+        order = {n: i for i, n in enumerate(n for n in graph_module.graph.nodes if n in required)}
+        unclaimed = type(info.unclaimed_nodes)(n for n in info.unclaimed_nodes if n not in required)
+        return dataclasses.replace(info, _required_fw_nodes=required, unclaimed_nodes=unclaimed,
+                                   fw_order=order)
+
+    partitioners.classify_nodes = classify_with_encodes
+    try:
+        yield
+    finally:
+        partitioners.classify_nodes = classify
+
+
 class PlanPartitioner(CustomPartitionerFn):
     """Min-cut partition of the joint graph after one bucket's decisions are applied.
 
@@ -113,7 +153,8 @@ class PlanPartitioner(CustomPartitionerFn):
                                  matched=len(decisions.decisions),
                                  default_saved_bytes=sum(map(unit_nbytes, units)))
         record.counts = apply_decisions(gm, units, decisions.decisions)
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        with encodes_in_forward(gm):
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         record.saved_bytes = saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], gm)
         record.backward_flops = graph_flops(bw)
         record.seconds = time.perf_counter() - start

@@ -30,6 +30,20 @@ from .annotate import UnitNodes, frontier_keys, is_backward, storage_root
 
 #: node.meta key naming the codec node a rewrite inserted (for inspection).
 CODEC_META = CODEC_META_KEY
+#: node.meta key set on encode nodes: they run in forward (see ``in_forward``).
+IN_FORWARD_META = "hilore_in_forward"
+
+
+def in_forward(node: fx.Node) -> bool:
+    """Whether ``node`` is part of an encode, which must run in forward.
+
+    Inductor's min-cut only honours ``MUST_SAVE`` on nodes the forward outputs
+    need; an encode is not one of them, so without this flag min-cut may save
+    the full-precision root instead and re-run the encode in backward (it did
+    when one saved root fed two payloads). The partitioner counts these nodes
+    as forward nodes (``backend.partitioner``), so payloads are saved.
+    """
+    return bool(node.meta.get(IN_FORWARD_META))
 
 
 class PlanMismatchError(ValueError):
@@ -181,6 +195,8 @@ def _compress_all(graph: fx.Graph, roots: Mapping[fx.Node, object]) -> None:
             parts, encode_nodes = _new_nodes(graph, lambda: codec.graph_encode(graph, dense))
         for part in parts:
             part.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        for node in encode_nodes + ([dense] if dense is not root else []):
+            node.meta[IN_FORWARD_META] = True
         dtype = root.meta["val"].dtype
         with graph.inserting_before(first_backward):
             decoded, decode_nodes = _new_nodes(

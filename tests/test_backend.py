@@ -8,7 +8,7 @@ import torch
 from hilore_compiler.backend import BackendOptions, HiLoReBackend
 from hilore_compiler.models import build_model, token_logprobs
 from hilore_compiler.backend.runtime import exposure
-from hilore_compiler.solver import fixed_plan, uniform_codec
+from hilore_compiler.solver import fixed_plan
 from hilore_compiler.tracefile import Trace
 from hilore_compiler.passes.tracer import TraceConfig, trace
 
@@ -44,6 +44,23 @@ def two_bucket_plan(trace: Trace, low: dict[str, str], high: dict[str, str]):
 
 def store_all(trace: Trace) -> dict[str, str]:
     return {u.key: "store" for u in trace.units}
+
+
+def mixed_codec_plan(trace: Trace) -> dict[str, str]:
+    """int8 everywhere (norm statistics stored), but the embedding and layer
+    1's MLP input and gate recomputed and its residual stored: a pattern the
+    solver picks on the bench model. Then one full-precision value (layer 0's
+    o_proj, layer 1's up_proj) can feed two payloads in backward, and min-cut
+    once saved it and re-ran both encodes instead of saving the payloads."""
+    decisions = {u.key: "compress:int8" if "int8" in u.codecs and ":rsqrt:" not in u.key else "store"
+                 for u in trace.units}
+    pattern = {"embed_tokens:embedding:0": "recompute", "layers.1:add:0": "store",
+               "layers.1.post_attention_layernorm:mul:1": "recompute",
+               "layers.1.mlp.gate_proj:mm:0": "recompute"}
+    for key, option in pattern.items():
+        assert key in decisions, key
+        decisions[key] = option
+    return decisions
 
 
 def grads(model) -> torch.Tensor:
@@ -126,17 +143,20 @@ def test_recompute_really_happens_in_backward(tiny, tiny_two_buckets):
     assert extra == pytest.approx(sum(u.recompute_flops for u in recomputed), rel=0.25)
 
 
-def test_compressed_plan_keeps_gradient_direction(tiny, tiny_reference):
+def test_compressed_plan_keeps_gradient_direction_and_saves_payloads(tiny, tiny_reference):
     model, ids, traced = tiny
-    plan = fixed_plan(traced, uniform_codec("int8"), buckets=1)
-    backend = HiLoReBackend({"plan": plan})
+    plan = fixed_plan(traced, {"b0": mixed_codec_plan(traced)}, buckets=1)
+    backend = HiLoReBackend({"plan": plan, "strict": True})
     got = grad_of(model, torch.compile(model, backend=backend), ids)
     cosine = torch.nn.functional.cosine_similarity(got, tiny_reference, dim=0)
     assert cosine >= 0.999
     assert not torch.equal(got, tiny_reference)  # int8 really changed something
     (graph,) = backend.graphs
-    assert graph.records[0].counts["compress"] > 0
-    assert graph.actual_saved_bytes("b0") < 0.5 * graph.records[0].default_saved_bytes
+    record = graph.records[0]
+    assert record.counts["compress"] > 0 and record.counts["recompute"] > 0
+    # Payloads, not the full-precision roots min-cut could re-encode from.
+    assert graph.actual_saved_bytes("b0") == pytest.approx(graph.predicted_saved_bytes("b0"), rel=0.02)
+    assert graph.actual_saved_bytes("b0") < 0.5 * record.default_saved_bytes
 
 
 def test_second_architecture_gradients_match():
@@ -184,31 +204,3 @@ def test_plan_for_a_wider_model_with_the_same_keys_is_refused(tiny):
 def test_unknown_option_lists_the_known_ones():
     with pytest.raises(ValueError, match="known options.*memory_budget"):
         BackendOptions.from_mapping({"memroy_budget": "1x-gc"})
-
-
-def mixed_codec_plan(trace: Trace) -> dict[str, str]:
-    """int8 everywhere (norm statistics stored), but layer 1's MLP input and gate are recomputed, its
-    residual stored, and the embedding recomputed: a pattern the solver picks
-    on the bench model. Here one full-precision value (layer 1's up_proj, layer
-    0's o_proj) could feed two payloads in backward, which is what min-cut
-    once preferred to saving the payloads."""
-    decisions = {u.key: "compress:int8" if "int8" in u.codecs and ":rsqrt:" not in u.key else "store"
-                 for u in trace.units}
-    pattern = {"embed_tokens:embedding:0": "recompute", "layers.1:add:0": "store",
-               "layers.1.post_attention_layernorm:mul:1": "recompute",
-               "layers.1.mlp.gate_proj:mm:0": "recompute"}
-    for key, option in pattern.items():
-        assert key in decisions, key
-        decisions[key] = option
-    return decisions
-
-
-def test_mixed_codec_plan_saves_payloads_not_full_precision_roots(tiny, tiny_reference):
-    model, ids, traced = tiny
-    plan = fixed_plan(traced, {"b0": mixed_codec_plan(traced)}, buckets=1)
-    backend = HiLoReBackend({"plan": plan, "strict": True})
-    got = grad_of(model, torch.compile(model, backend=backend), ids)
-    (graph,) = backend.graphs
-    assert graph.actual_saved_bytes("b0") == pytest.approx(graph.predicted_saved_bytes("b0"), rel=0.02)
-    cosine = torch.nn.functional.cosine_similarity(got, tiny_reference, dim=0)
-    assert cosine >= 0.999

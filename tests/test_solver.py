@@ -396,8 +396,9 @@ def test_checked_in_traces_buckets_differ_where_the_budget_binds():
     from pathlib import Path
 
     traces = Path(__file__).parent.parent / "traces"
+    defaults = {}
     for name in ("small-cpu-T2048.json", "llama-8b-roofline-h100.json"):
-        default = solve(traces / name, "1.10x-gc")
+        default = defaults[name] = solve(traces / name, "1.10x-gc")
         solved = [b for b in default.buckets if not b.skip]
         assert all(any(o.startswith("compress:") for _, o in b.decisions) for b in solved), name
         assert sum(b.risk for b in solved) <= default.risk_budget
@@ -405,7 +406,7 @@ def test_checked_in_traces_buckets_differ_where_the_budget_binds():
         solved = [b for b in tight.buckets if not b.skip]
         assert sum(b.risk for b in solved) > 0.4 * tight.risk_budget, name
         assert len({b.decisions for b in solved}) > 1, f"{name}: buckets collapsed to one plan where the budget binds"
-    small = solve(traces / "small-cpu-T2048.json", "1.10x-gc")
+    small = defaults["small-cpu-T2048.json"]
     assert not any(b.proxy_sensitivity for b in small.buckets if not b.skip)  # calibrated
 
 

@@ -118,8 +118,8 @@ class Worker:
             # peak: measure it here, before the first call plans.
             # Rounded so that hilore and uniform-int8, which measure it in their
             # own processes, share the trace cached under the same options; up,
-            # because rounding 2.94 down to 2.9 under-predicted the loss phase,
-            # where an int8-heavy plan peaks, by 1.5 MB on small at T=2048.
+            # so that the loss phase, where an int8-heavy plan peaks, is never
+            # under-predicted (2.94 -> 3.0 adds 2 MB on small at T=2048).
             options = dataclasses.replace(options, loss_ratio=math.ceil(round(self._loss_ratio() * 10, 6)) / 10)
         self.prepared: PreparedMethod = prepare_method(config.method, self.model, options, self.loss_config)
         self.bucket: str | None = None

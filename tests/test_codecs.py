@@ -14,6 +14,7 @@ from hilore_compiler.codecs import (
     BF16,
     CODEC_META_KEY,
     FP8,
+    INT4,
     INT8,
     Codec,
     Int8Codec,
@@ -25,7 +26,7 @@ from hilore_compiler.codecs import (
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 CODECS = [get_codec(name) for name in codec_names("cpu")]
-ROWWISE = [c for c in CODECS if c.name in ("int8", "fp8")]
+ROWWISE = [c for c in CODECS if c.name in ("int8", "fp8", "int4")]
 SHAPES = [(16, 64), (3, 5, 128), (1, 1), (7, 1000)]
 
 
@@ -102,6 +103,20 @@ def test_int8_error_at_most_absmax_over_254():
     assert float((err / step_half).max()) > 0.99  # the half step is reached
 
 
+def test_int4_error_at_most_absmax_over_14_and_about_18x_int8s():
+    x = torch.randn(32, 511, generator=torch.Generator().manual_seed(2)) * 5  # odd rows: a tail nibble
+    err = (_roundtrip(INT4, x) - x).abs()
+    step_half = x.abs().amax(-1, keepdim=True) / 14
+    assert bool((err <= step_half * (1 + 1e-5)).all())
+    assert float((err / step_half).max()) > 0.99
+    rel = float(err.norm() / x.norm())
+    rel8 = float((_roundtrip(INT8, x) - x).norm() / x.norm())
+    assert 12 < rel / rel8 < 24  # 127/7 = 18 times int8's step
+    # Two values per byte, the odd row's last one in a byte of its own.
+    assert INT4.encoded_nbytes(x.shape, x.dtype) == 32 * (255 + 1) + 32 * 4 == sum(
+        p.numel() * p.element_size() for p in INT4.encode(x))
+
+
 def test_bf16_relative_error_at_most_2_pow_minus_8():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     rel = ((BF16.decode(BF16.encode(x), torch.float32) - x).abs() / x.abs()).max()
@@ -143,15 +158,16 @@ def test_one_huge_value_only_costs_its_row(codec, dtype):
         assert bool((x_hat[2, :5] == 0).all()) and bool((x_hat[2, 6:] == 0).all())
 
 
-def test_subnormals_int8_decode_to_zero():
+@pytest.mark.parametrize("codec", [INT8, INT4], ids=lambda c: c.name)
+def test_subnormals_int8_int4_decode_to_zero(codec):
     x = torch.full((3, 8), 1e-40) * torch.tensor([1.0, -1.0]).repeat(4)
     assert bool((x.abs() < torch.finfo(torch.float32).tiny).all())  # really subnormal
-    x_hat = _roundtrip(INT8, x)
-    _assert_bitwise(x_hat, torch.zeros_like(x))  # int8 has no -0: all +0.0
-    _check_bound(INT8, x, x_hat)
+    x_hat = _roundtrip(codec, x)
+    _assert_bitwise(x_hat, torch.zeros_like(x))  # integers have no -0: all +0.0
+    _check_bound(codec, x, x_hat)
 
 
-@pytest.mark.parametrize("codec", [c for c in CODECS if c is not INT8], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [c for c in CODECS if c not in (INT8, INT4)], ids=lambda c: c.name)
 def test_subnormals_bf16_fp8_keep_a_subnormal(codec):
     x = torch.full((3, 8), 1e-40)
     x_hat = _roundtrip(codec, x)
@@ -218,7 +234,7 @@ def test_encoded_nbytes_expr_is_symbolic(codec, dtype):
     assert expr.free_symbols == {B, S}
     for b, s in [(2, 3), (5, 17)]:
         assert int(expr.subs({B: b, S: s})) == codec.encoded_nbytes((b, s, 64), dtype)
-    expected = {"bf16": 128 * B * S, "int8": 68 * B * S, "fp8": 68 * B * S}[codec.name]
+    expected = {"bf16": 128 * B * S, "int8": 68 * B * S, "fp8": 68 * B * S, "int4": 36 * B * S}[codec.name]
     assert sympy.simplify(expr - expected) == 0
     with pytest.raises(ValueError, match="symbolic"):
         codec.encoded_nbytes((B, 64), dtype)
@@ -328,8 +344,9 @@ def test_graph_non_finite_rows_decode_to_nan(codec, dtype):
     _assert_bitwise(x_hat[finite_rows], _roundtrip(codec, x[finite_rows]))
     if codec in ROWWISE:
         assert bool(x_hat[[1, 3]].isnan().all())  # the whole row, never garbage
-        payload, scale = parts  # documented: payload 0, scale NaN
-        assert not bool(payload[[1, 3]].float().any())
+        *payload, scale = parts  # documented: the payload of 0s, scale NaN
+        zero = codec.encode(torch.zeros(1, x.shape[-1], dtype=dtype))[:-1]
+        assert all(torch.equal(p[[1, 3]], z.expand(2, -1)) for p, z in zip(payload, zero))
         assert bool(scale[[1, 3]].isnan().all()) and bool(scale[finite_rows].isfinite().all())
     else:  # bf16 keeps inf/nan elementwise and the rest of the row
         _assert_bitwise(x_hat[[1, 3]], x[[1, 3]].to(torch.bfloat16).to(dtype))

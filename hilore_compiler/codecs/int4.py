@@ -1,0 +1,101 @@
+"""``int4``: row-wise absmax 4-bit integers, two per byte, one fp32 scale per row.
+
+The lossy end of the codec range: half of int8's bytes at about 18 times
+its error. Exposure conditioning exists for such an option: a low-exposure
+bucket can afford it where the high-exposure ones cannot, so the shared error
+budget binds and the buckets' plans differ.
+
+Encoding (row = last dimension of length N, computed in fp32)::
+
+    scale = max(absmax(row) / 7, SCALE_MIN)          # fp32, shape (..., 1)
+    q     = clamp(round(x / scale), -7, 7) + 8       # 1..15, a nibble
+    pairs = uint8(q[..., 0::2] + 16 * q[..., 1::2])  # (..., N // 2)
+    tail  = uint8(q[..., N - N % 2:])                # (..., N % 2): an odd row's last nibble
+
+Stored bytes: ``rows * (N // 2 + N % 2) + 4 * rows`` (about 1/8 of fp32).
+The tail part's shape also tells decode whether N was odd. A 0-d tensor is
+one row of one element.
+
+Error bound, per element of a finite row decoded to ``x.dtype``: as int8's
+with ``qmax`` 7, i.e. ``scale / 2 = absmax / 14`` plus the same fp32 slack
+and output rounding (see :mod:`.int8`). Zero rows, subnormals and non-finite
+rows behave as in int8: a row holding inf or nan decodes to NaN in the graph,
+and eager :meth:`encode` refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import sympy
+import torch
+
+from ._emit import Emitter, Value
+from ._rowwise import SCALE_NBYTES, RowwiseCodec
+from .base import convert, numel_expr, register_codec
+
+aten = torch.ops.aten
+
+#: Added to a quantized value in [-7, 7] to make it a nibble in [1, 15].
+OFFSET = 8
+
+
+class Int4Codec(RowwiseCodec):
+    """Row-wise absmax int4, packed two per byte (see the module docstring)."""
+
+    name: ClassVar[str] = "int4"
+    qmax: ClassVar[float] = 7.0
+    #: The row-wise step's output before packing (values -7..7).
+    payload_dtype: ClassVar[torch.dtype] = torch.int8
+
+    def _grid(self, e: Emitter, y: Value) -> Value:
+        return e.op(aten.round.default, y)
+
+    def _grid_error(self, y_abs: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(y_abs, 0.5)
+
+    def _encode(self, e: Emitter, x: Value) -> tuple[Value, ...]:
+        scalar = e.val(x).dim() == 0
+        if scalar:
+            x = e.op(aten.view.default, x, [1])
+        q, scale = super()._encode(e, x)
+        # Nibbles in int16: 15 + 16 * 15 = 255 does not fit int8.
+        nibble = e.op(aten.add.Tensor, convert(e, q, torch.int16), OFFSET)
+        n = e.val(x).shape[-1]
+        even = n - n % 2
+        low = e.op(aten.slice.Tensor, nibble, -1, 0, even, 2)
+        high = e.op(aten.slice.Tensor, nibble, -1, 1, even, 2)
+        pairs = e.op(aten.add.Tensor, low, e.op(aten.mul.Tensor, high, 16))
+        tail = e.op(aten.slice.Tensor, nibble, -1, even, n)
+        if scalar:
+            scale = e.op(aten.view.default, scale, [])
+        return convert(e, pairs, torch.uint8), convert(e, tail, torch.uint8), scale
+
+    def _decode(self, e: Emitter, parts: tuple[Value, ...], dtype: torch.dtype) -> Value:
+        pairs, tail, scale = parts
+        scalar = e.val(scale).dim() == 0
+        # Unpacked in fp32, where every step is exact for values below 256.
+        p = convert(e, pairs, torch.float32)
+        high = e.op(aten.floor.default, e.op(aten.mul.Tensor, p, 1.0 / 16))
+        low = e.op(aten.sub.Tensor, p, e.op(aten.mul.Tensor, high, 16))
+        shape = list(e.val(pairs).shape)
+        interleaved = e.op(aten.view.default,
+                           e.op(aten.cat.default, [e.op(aten.unsqueeze.default, low, -1),
+                                                   e.op(aten.unsqueeze.default, high, -1)], -1),
+                           [*shape[:-1], 2 * shape[-1]])
+        q = e.op(aten.cat.default, [interleaved, convert(e, tail, torch.float32)], -1)
+        q = e.op(aten.sub.Tensor, q, OFFSET)
+        if scalar:
+            q = e.op(aten.view.default, q, [])
+        return super()._decode(e, (q, scale), dtype)
+
+    def encoded_nbytes_expr(self, shape, dtype: torch.dtype) -> sympy.Expr:
+        """Packed pairs and an odd row's last byte, plus one fp32 scale per row."""
+        self._check_dtype(dtype)
+        shape = tuple(shape) or (1,)
+        n = sympy.sympify(shape[-1])
+        rows = numel_expr(shape[:-1])
+        return rows * (sympy.floor(n / 2) + sympy.Mod(n, 2)) + rows * SCALE_NBYTES
+
+
+INT4 = register_codec(Int4Codec())

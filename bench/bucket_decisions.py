@@ -1,7 +1,8 @@
 """Per-bucket decisions on the checked-in traces, against the exposure-blind control.
 
 Prints the README's table "Per-bucket decisions at 1.10x-gc": for each trace
-and error target, each bucket's plan, the summed risk against the budget, and
+and error target, each bucket's plan, the summed risk against the budget,
+each bucket's own squared error (its risk over its squared mass share), and
 the recovery time over the default exposure mix (each bucket's time weighted
 by its share of samples) of the joint plan and of the exposure-blind one at
 the same memory and error budget. Run from the repository root:
@@ -28,13 +29,20 @@ def describe(bucket: BucketPlan) -> str:
     return ", ".join(parts)
 
 
+def own_error(bucket: BucketPlan) -> float:
+    """The bucket's squared relative gradient error were it the whole update
+    (its risk over its squared mass share): how lossy its plan is per sample."""
+    return bucket.risk / bucket.mass_share**2 if bucket.mass_share else 0.0
+
+
 def mix_seconds(buckets: list[BucketPlan]) -> float:
     return sum(b.sample_share * b.time_s for b in buckets)
 
 
 def main() -> None:
-    print("| trace, target | b0 | b1 | b2 | summed risk / budget | recovery time over the mix: buckets vs blind |")
-    print("|---|---|---|---|---|---|")
+    print("| trace, target | b0 | b1 | b2 | summed risk / budget | own squared error b0 / b1 / b2 "
+          "| recovery time over the mix: buckets vs blind |")
+    print("|---|---|---|---|---|---|---|")
     for name, path in CASES:
         for target in TARGETS:
             plan = solve(path, "1.10x-gc", risk_budget=target)
@@ -43,7 +51,9 @@ def main() -> None:
             risk = sum(b.risk for b in joint)
             print(f"| {name}, {target.replace('cos>=', 'cos >= ')} | "
                   + " | ".join(describe(b) for b in joint)
-                  + f" | {risk:.1e} / {plan.risk_budget:.1e} | {mix_seconds(joint) * 1e3:.1f} vs "
+                  + f" | {risk:.1e} / {plan.risk_budget:.1e} | "
+                  + " / ".join(f"{own_error(b):.1e}" for b in joint)
+                  + f" | {mix_seconds(joint) * 1e3:.1f} vs "
                     f"{mix_seconds(blind) * 1e3:.1f} ms |", flush=True)
 
 

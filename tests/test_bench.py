@@ -350,6 +350,15 @@ def test_cli_quick_and_explicit_options():
         config_from_args(build_parser().parse_args(["bench", "--methods", "nope"]))
 
 
+def test_cli_actor_update_codecs_default_to_bf16_int8_and_take_int4():
+    from hilore_compiler.commands.bench import actor_config_from_args
+
+    parse = build_parser().parse_args
+    assert actor_config_from_args(parse(["bench", "--actor-update"])).codecs == ("bf16", "int8")
+    config = actor_config_from_args(parse(["bench", "--actor-update", "--codecs", "bf16, int8,int4"]))
+    assert config.codecs == ("bf16", "int8", "int4")
+
+
 # --- one real run ----------------------------------------------------------
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ class ActorWorker:
     """Model, batch, compiled method and the update it runs."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
-        self.config = ActorBenchConfig(**{**payload["config"], "methods": tuple(payload["config"]["methods"])})
+        self.config = ActorBenchConfig(**{**payload["config"], "methods": tuple(payload["config"]["methods"]),
+                                          "codecs": tuple(payload["config"]["codecs"])})
         self.method, self.grad_path = payload["method"], payload["grad_path"]
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
@@ -58,7 +59,7 @@ class ActorWorker:
         from ..backend import HiLoReBackend
 
         plan = load_plan(plans["blind" if self.method == "hilore-blind" else "buckets"])
-        backend = HiLoReBackend({"plan": plan, "codecs": ("bf16", "int8"), "verbose": False,
+        backend = HiLoReBackend({"plan": plan, "codecs": self.config.codecs, "verbose": False,
                                  "cache_dir": os.path.dirname(self.grad_path)})
         compiled = torch.compile(self.model, backend=backend, dynamic=False)
         n = self.batch.input_ids.shape[0]

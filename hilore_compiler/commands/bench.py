@@ -58,6 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--model, --seq-len, --repeats, --threads, --hilore-budget apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
+    p.add_argument("--codecs", help="--actor-update's codecs, comma-separated (default bf16,int8; "
+                                    "int4 is the lossy opt-in)")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
@@ -75,6 +77,8 @@ def actor_config_from_args(args: argparse.Namespace):
              "hilore_budget": "budget", "loss_type": "loss_type", "risk_budget": "risk_budget",
              "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round"}
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
+    if getattr(args, "codecs", None):
+        values["codecs"] = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
     return ActorBenchConfig(**values)
 
 

@@ -72,18 +72,19 @@ class Arm:
     backend: HiLoReBackend | None = None
 
 
-def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured") -> Trace:
+def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured",
+                 codecs: tuple[str, ...] = CODECS) -> Trace:
     """Trace ``policy`` at exactly (batch, seq_len), the static graph the arms compile.
 
     ``dynamic=False`` makes the tracer capture the joint graph a
     ``dynamic=False`` compile at this shape hands Inductor's partitioner, so
     the trace's unit keys are those the arms' plans are applied to.
     ``cost_model``: ``"measured"`` or ``"roofline:<device>"`` (codec errors
-    are measured on the real activations either way).
+    are measured on the real activations either way). ``codecs``: those to measure.
     """
     from ..passes.tracer import TraceConfig, trace
 
-    config = TraceConfig(cost_model=cost_model, codecs=CODECS, model_name="tiny-eval", verbose=False,
+    config = TraceConfig(cost_model=cost_model, codecs=codecs, model_name="tiny-eval", verbose=False,
                          dynamic=False)
     ids = torch.randint(0, policy.config.vocab_size, (batch, seq_len), generator=torch.Generator())
     return trace(policy, [ids], config=config)

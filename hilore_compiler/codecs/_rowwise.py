@@ -108,6 +108,17 @@ class RowwiseCodec(Codec):
         return inner + rounding_bound(x.dtype, ax + inner)
 
 
+class IntegerRowwiseCodec(RowwiseCodec):
+    """Row-wise scaling onto a symmetric integer grid (int8, int4): round to nearest."""
+
+    def _grid(self, e: Emitter, y: Value) -> Value:
+        return e.op(aten.round.default, y)
+
+    def _grid_error(self, y_abs: torch.Tensor) -> torch.Tensor:
+        # Rounding to the nearest integer is off by at most one half.
+        return torch.full_like(y_abs, 0.5)
+
+
 def _row_reduction(x: torch.Tensor):
     """``amax`` over the row, or ``sum`` when rows are statically empty.
 

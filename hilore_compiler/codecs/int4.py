@@ -31,7 +31,7 @@ import sympy
 import torch
 
 from ._emit import Emitter, Value
-from ._rowwise import SCALE_NBYTES, RowwiseCodec
+from ._rowwise import SCALE_NBYTES, IntegerRowwiseCodec
 from .base import convert, numel_expr, register_codec
 
 aten = torch.ops.aten
@@ -40,19 +40,13 @@ aten = torch.ops.aten
 OFFSET = 8
 
 
-class Int4Codec(RowwiseCodec):
+class Int4Codec(IntegerRowwiseCodec):
     """Row-wise absmax int4, packed two per byte (see the module docstring)."""
 
     name: ClassVar[str] = "int4"
     qmax: ClassVar[float] = 7.0
     #: The row-wise step's output before packing (values -7..7).
     payload_dtype: ClassVar[torch.dtype] = torch.int8
-
-    def _grid(self, e: Emitter, y: Value) -> Value:
-        return e.op(aten.round.default, y)
-
-    def _grid_error(self, y_abs: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(y_abs, 0.5)
 
     def _encode(self, e: Emitter, x: Value) -> tuple[Value, ...]:
         scalar = e.val(x).dim() == 0

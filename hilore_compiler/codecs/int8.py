@@ -41,27 +41,17 @@ from typing import ClassVar
 
 import torch
 
-from ._emit import Emitter, Value
-from ._rowwise import RowwiseCodec
+from ._rowwise import IntegerRowwiseCodec
 from .base import register_codec
 
-aten = torch.ops.aten
 
-
-class Int8Codec(RowwiseCodec):
+class Int8Codec(IntegerRowwiseCodec):
     """Row-wise absmax int8 (see the module docstring for the error bound)."""
 
     name: ClassVar[str] = "int8"
     #: Largest magnitude of the symmetric int8 grid.
     qmax: ClassVar[float] = 127.0
     payload_dtype: ClassVar[torch.dtype] = torch.int8
-
-    def _grid(self, e: Emitter, y: Value) -> Value:
-        return e.op(aten.round.default, y)
-
-    def _grid_error(self, y_abs: torch.Tensor) -> torch.Tensor:
-        # Rounding to the nearest integer is off by at most one half.
-        return torch.full_like(y_abs, 0.5)
 
 
 INT8 = register_codec(Int8Codec())

@@ -192,6 +192,8 @@ def format_dist_table(result: dict[str, Any]) -> str:
 
 def run_command(args: Any) -> int:
     """``hilore bench --nproc N`` (called by ``commands/bench.py``); exit 1 if a method failed."""
+    from ..commands import comma_list
+
     values: dict[str, Any] = dict(DIST_QUICK) if args.quick else {}
     for name in ("model", "batch", "seq_len", "seed", "threads", "hilore_budget"):
         if getattr(args, name, None) is not None:
@@ -199,7 +201,7 @@ def run_command(args: Any) -> int:
     if getattr(args, "steps_per_round", None) is not None:
         values["steps"] = args.steps_per_round  # measured updates per method
     if args.methods:
-        values["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+        values["methods"] = comma_list(args.methods)
     if getattr(args, "device", None) == "cpu":
         values["backend"] = "gloo"
     config = DistBenchConfig(nproc=args.nproc, **values)

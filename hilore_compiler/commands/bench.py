@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from . import comma_list
+
 #: Where result files go unless ``-o`` says otherwise (relative to the working directory).
 RESULTS_DIR = Path("bench") / "results"
 
@@ -78,7 +80,7 @@ def actor_config_from_args(args: argparse.Namespace):
              "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round"}
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
     if getattr(args, "codecs", None):
-        values["codecs"] = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
+        values["codecs"] = comma_list(args.codecs)
     return ActorBenchConfig(**values)
 
 
@@ -108,7 +110,7 @@ def config_from_args(args: argparse.Namespace):
         if given is not None and f.name != "methods":
             values[f.name] = given
     if args.methods:
-        values["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+        values["methods"] = comma_list(args.methods)
     return BenchConfig(**values)
 
 

@@ -31,8 +31,8 @@ def describe(bucket: BucketPlan) -> str:
 
 def own_error(bucket: BucketPlan) -> float:
     """The bucket's squared relative gradient error were it the whole update
-    (its risk over its squared mass share): how lossy its plan is per sample."""
-    return bucket.risk / bucket.mass_share**2 if bucket.mass_share else 0.0
+    (its risk over its error share): how lossy its plan is per sample."""
+    return bucket.risk / bucket.error_share if bucket.error_share else 0.0
 
 
 def mix_seconds(buckets: list[BucketPlan]) -> float:

@@ -96,7 +96,7 @@ class BucketPlan:
     transient_bytes: int
     time_s: float
     #: This bucket's predicted share of the whole update's squared relative
-    #: gradient error: mass_share^2 x sum over compressed units of
+    #: gradient error: error_share x sum over compressed units of
     #: sensitivity^2 (``solver/risk.py``). The buckets' risks add up.
     risk: float
     #: True if some compressed unit's sensitivity was the rel_l2 proxy.
@@ -104,9 +104,11 @@ class BucketPlan:
     solver: SolverStats | None
     notes: tuple[str, ...] = ()
     #: The exposure mix the plan was solved for: this bucket's share of a
-    #: batch's samples and of its coefficient mass (None: not recorded).
+    #: batch's samples, of its coefficient mass and of its squared exposure
+    #: (the error share, ``solver/risk.py``); None: not recorded.
     sample_share: float | None = None
     mass_share: float | None = None
+    error_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,7 +204,7 @@ def _bucket_json(b: BucketPlan) -> dict[str, Any]:
             "risk": b.risk,
         },
         "proxy_sensitivity": b.proxy_sensitivity,
-        "mix": {"sample_share": b.sample_share, "mass_share": b.mass_share},
+        "mix": {"sample_share": b.sample_share, "mass_share": b.mass_share, "error_share": b.error_share},
         "solver": None if b.solver is None else {
             "status": b.solver.status, "seconds": b.solver.seconds,
             "objective": b.solver.objective, "gap": b.solver.gap,
@@ -314,7 +316,7 @@ def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:
         return {}
     obj = _as_object(obj, f"{where}.mix")
     out = {}
-    for name in ("sample_share", "mass_share"):
+    for name in ("sample_share", "mass_share", "error_share"):
         value = obj.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, _NUM)):
             raise FormatError(f"{where}.mix.{name}: expected a number or null")

@@ -153,7 +153,7 @@ def _plan_bucket(b: Any, at: str) -> list[str]:
         problems += _number(getattr(b, field), f"{at}.predicted.{field}", integer=True)
     problems += _number(b.time_s, f"{at}.predicted.time_s") + _number(b.risk, f"{at}.predicted.risk")
     problems += _strings(b.notes, f"{at}.notes")
-    for field in ("sample_share", "mass_share"):  # the exposure mix; None when not recorded
+    for field in ("sample_share", "mass_share", "error_share"):  # the exposure mix; None when not recorded
         if getattr(b, field, None) is not None:
             problems += _number(getattr(b, field), f"{at}.mix.{field}")
     if b.solver is not None:

@@ -178,7 +178,7 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> 
     info = {name: {"predicted_error": predicted_error(p), "budget_bytes": p.budget_bytes,
                    "distinct_plans": len({b.decisions for b in p.buckets if not b.skip}),
                    "buckets": {b.bucket.name: {"samples": b.sample_share, "mass": b.mass_share,
-                                               "risk": b.risk, "time_s": b.time_s,
+                                               "error_share": b.error_share, "risk": b.risk, "time_s": b.time_s,
                                                "memory_bytes": b.memory_bytes}
                                for b in p.buckets}}
             for name, p in plans.items()}

@@ -110,7 +110,7 @@ def auto_risk_budget(trace: Trace, config: EvalConfig) -> float:
     decisions = {u.key: decide(u) for u in model.units}
     mix = default_exposure_mix()
     shares = bucket_shares(default_buckets(config.buckets, mix), mix)
-    return 0.5 * sum(plan_risk(model, decisions, s.mass) for s in shares)
+    return 0.5 * sum(plan_risk(model, decisions, s.error) for s in shares)
 
 
 def resolve_plan(trace: Trace, budget: str, risk: float, buckets: int) -> tuple[Plan, dict[str, Any]]:

@@ -80,7 +80,7 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
                         codecs=None, batch: int | None = None, seq_len: int | None = None,
                         exposure_mix: Sequence[float] | str | os.PathLike | None = None) -> Plan:
     """The control for exposure conditioning: the same memory and error budget,
-    solved as if one bucket held the whole update (mass share 1, the only safe
+    solved as if one bucket held the whole update (error share 1, the only safe
     assumption without exposure), its decisions repeated in every bucket so
     that it runs wherever the bucketed plan does."""
     from .planner import solve

@@ -18,8 +18,8 @@ sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
 
 Constraints: each bucket's rules and its memory under the ceiling (buckets run
 one after another), and one error budget shared by all buckets,
-sum_b m_b^2 sum_u s(u)^2 x[b,u,compress] (``risk.py``). Only the budget
-couples the buckets: it is what lets low-mass buckets spend error on fast,
+sum_b q_b sum_u s(u)^2 x[b,u,compress], q_b the bucket's error share (``risk.py``).
+Only the budget couples the buckets: it is what lets low-exposure buckets spend error on fast,
 lossy options that high-mass buckets cannot afford. The second problem here
 minimises the largest bucket memory instead, to name the smallest feasible
 budget when the first is infeasible.
@@ -150,8 +150,8 @@ class BucketWeight:
     name: str
     #: Weight of its recovery time in the objective: its share of a batch's samples.
     samples: float
-    #: Its share of the update's coefficient mass; risk scales with its square.
-    mass: float
+    #: Its error share (``risk.BucketShare.error``); its risk scales with it.
+    error: float
 
 
 #: Smallest time weight of a bucket: one the mix leaves empty still gets a
@@ -308,11 +308,11 @@ class _Problem:
     def error_within_budget(self, risk_budget: float) -> None:
         # The update's predicted squared relative gradient error, summed over
         # buckets (quadrature, risk.py), stays within the one shared budget:
-        #   sum_b m_b^2 sum_u s(u)^2 x[b,u,compress] <= risk_budget.
+        #   sum_b q_b sum_u s(u)^2 x[b,u,compress] <= risk_budget.
         # Divided by the budget: CBC's feasibility tolerance is absolute
         # (1e-7), a quarter percent of a 2e-5 budget, which it then overran.
         scale = risk_budget if risk_budget > 0 else 1.0
-        self.prob += pulp.lpSum(w.mass**2 / scale * self.buckets[w.name].error2() for w in self.weights) \
+        self.prob += pulp.lpSum(w.error / scale * self.buckets[w.name].error2() for w in self.weights) \
             <= risk_budget / scale, "risk_budget"
 
     def decisions(self) -> dict[str, dict[str, str]]:
@@ -430,7 +430,7 @@ def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callab
             return None
         parts.append(part)
     decisions = {w.name: part.decisions[w.name] for w, part in zip(weights, parts)}
-    if sum(plan_risk(model, decisions[w.name], w.mass) for w in weights) > risk_budget:
+    if sum(plan_risk(model, decisions[w.name], w.error) for w in weights) > risk_budget:
         return None
     bounds = [part.bound for part in parts]
     return IlpResult(decisions=decisions,

@@ -422,12 +422,12 @@ def rule_violations(model: CostModel, decisions: Mapping[str, str]) -> list[str]
     return problems
 
 
-def plan_risk(model: CostModel, decisions: Mapping[str, str], mass_share: float) -> float:
+def plan_risk(model: CostModel, decisions: Mapping[str, str], error_share: float) -> float:
     """A bucket's share of the update's squared relative gradient error (``risk.py``):
-    mass_share^2 x the sum over compressed units of sensitivity^2."""
+    its error share x the sum over compressed units of sensitivity^2."""
     total = 0.0
     for u in model.units:
         codec = codec_of(decisions[u.key])
         if codec is not None:
             total += u.codecs[codec].sensitivity ** 2
-    return mass_share**2 * total
+    return error_share * total

@@ -4,8 +4,9 @@ A mix is a list of per-sample exposures in plan units (``vocabulary``: as if
 each sample were the whole batch), e.g. those of a real GRPO batch
 (``hilore plan --exposure-mix FILE``, file format ``hilore.exposure-mix/v1``:
 ``{"schema": ..., "exposures": [...]}``). From it the solver takes, per bucket,
-the share of samples (which weighs that bucket's backward time) and the share
-of coefficient mass (which scales its gradient error, ``risk.py``).
+the share of samples (which weighs that bucket's backward time), the share of
+coefficient mass, and the share of squared exposure (which scales its squared
+gradient error, ``risk.py``).
 
 The default mix is GRPO's own batch shape, computed in closed form: groups of
 ``G = 8`` with binary rewards, each prompt solved with a probability drawn
@@ -68,7 +69,8 @@ def save_exposure_mix(exposures: Sequence[float], path: str | os.PathLike) -> Pa
 
 
 def bucket_shares(specs: Sequence[BucketSpec], exposures: Sequence[float]) -> tuple[BucketShare, ...]:
-    """Each bucket's share of the mix's samples (zero samples count) and of its mass.
+    """Each bucket's share of the mix's samples (zero samples count), of its
+    mass (sum of exposures) and of its squared exposure (``risk.py``).
 
     A nonzero exposure above every range counts in the top bucket, as the
     runtime sends it there.
@@ -78,17 +80,19 @@ def bucket_shares(specs: Sequence[BucketSpec], exposures: Sequence[float]) -> tu
     top = max(specs, key=lambda s: s.hi)
     count = {s.name: 0 for s in specs}
     mass = {s.name: 0.0 for s in specs}
+    square = {s.name: 0.0 for s in specs}
     for x in exposures:
         if x == 0:
             continue
         spec = next((s for s in specs if in_bucket(x, s.lo, s.hi)), top)
         count[spec.name] += 1
         mass[spec.name] += x
-    total = sum(mass.values())
+        square[spec.name] += x * x
+    total, total_square = sum(mass.values()), sum(square.values())
     if total <= 0:
         raise ValueError("the exposure mix has no nonzero exposure: nothing reaches the update")
-    return tuple(BucketShare(spec=s, samples=count[s.name] / len(exposures), mass=mass[s.name] / total)
-                 for s in specs)
+    return tuple(BucketShare(spec=s, samples=count[s.name] / len(exposures), mass=mass[s.name] / total,
+                             error=square[s.name] / total_square) for s in specs)
 
 
 def zero_share(exposures: Sequence[float]) -> float:

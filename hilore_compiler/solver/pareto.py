@@ -60,7 +60,7 @@ def pareto_curve(trace: Trace | str | os.PathLike, *, points: int = DEFAULT_POIN
     options = options or SolverOptions()
     error2 = parse_risk_budget(risk_budget)
     _, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len)
-    weights = [BucketWeight(name=WHOLE_BATCH, samples=1.0, mass=1.0)]
+    weights = [BucketWeight(name=WHOLE_BATCH, samples=1.0, error=1.0)]
     least = least_memory(model, weights=weights, risk_budget=error2, options=options)
     lo = least.memory_bytes
     hi = max(lo, model.store_bytes)  # storing everything: no recovery transient

@@ -106,7 +106,7 @@ def verify(model: CostModel, decisions: dict[str, str], *, budget_bytes: int | N
 def verify_risk(model: CostModel, plans: Mapping[str, Mapping[str, str]],
                 weights: Sequence[BucketWeight], risk_budget: float) -> dict[str, float]:
     """Each bucket's re-computed risk; raise if their sum is over the shared budget."""
-    risks = {w.name: plan_risk(model, plans[w.name], w.mass) for w in weights}
+    risks = {w.name: plan_risk(model, plans[w.name], w.error) for w in weights}
     if sum(risks.values()) > risk_budget * (1 + TOLERANCE) + 1e-15:
         raise RuntimeError(f"solver plans have risk {sum(risks.values()):.4g}, over the risk budget "
                            f"{risk_budget:.4g}")
@@ -194,8 +194,9 @@ def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, st
         bucket=share.spec, skip=False, decisions=tuple((u.key, decisions[u.key]) for u in model.units),
         memory_bytes=prediction.memory_bytes, kept_bytes=prediction.kept_bytes,
         transient_bytes=prediction.transient_bytes, time_s=prediction.time_s,
-        risk=plan_risk(model, decisions, share.mass), proxy_sensitivity=proxy,
+        risk=plan_risk(model, decisions, share.error), proxy_sensitivity=proxy,
         notes=(*notes, *proxy_notes), solver=solver, sample_share=share.samples, mass_share=share.mass,
+        error_share=share.error,
     )
 
 
@@ -204,7 +205,8 @@ def skip_bucket(samples: float | None = None) -> BucketPlan:
     return BucketPlan(bucket=zero_bucket(), skip=True, decisions=(), memory_bytes=0, kept_bytes=0,
                       transient_bytes=0, time_s=0.0, risk=0.0, proxy_sensitivity=False, solver=None,
                       notes=("exposure 0: the sample reaches no parameter, backward is skipped",),
-                      sample_share=samples, mass_share=None if samples is None else 0.0)
+                      sample_share=samples, mass_share=None if samples is None else 0.0,
+                      error_share=None if samples is None else 0.0)
 
 
 def plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
@@ -222,7 +224,8 @@ def _summary(b: BucketPlan) -> str:
         kind = "compress" if option.startswith(COMPRESS_PREFIX) else option
         counts[kind] = counts.get(kind, 0) + 1
     mix = ", ".join(f"{counts.get(k, 0)} {k}" for k in (STORE, "compress", RECOMPUTE))
-    return (f"bucket {b.bucket.name} (samples {b.sample_share:.0%}, mass {b.mass_share:.0%}): "
+    return (f"bucket {b.bucket.name} (samples {b.sample_share:.0%}, mass {b.mass_share:.0%}, "
+            f"error share {b.error_share:.0%}): "
             f"memory {format_bytes(b.memory_bytes)}, recovery {format_seconds(b.time_s)}, "
             f"risk {b.risk:.3g} ({mix})")
 
@@ -270,7 +273,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     exposures = mix_exposures(exposure_mix)
     shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
-    weights = [BucketWeight(name=s.spec.name, samples=s.samples, mass=s.mass) for s in shares]
+    weights = [BucketWeight(name=s.spec.name, samples=s.samples, error=s.error) for s in shares]
     say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
         f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "
         f"error budget {error2:.3g} (cos >= {error2_to_cosine(error2):.6g})")

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from hilore_compiler.passes.calibration import CalibrationConfig, calibrate, measured_error
+from hilore_compiler.passes.calibration import CalibrationConfig, calibrate, measured_error, plan_gradients
 from hilore_compiler.models import build_model, token_logprobs
+from hilore_compiler.planfile import BucketSpec
 from hilore_compiler.solver import solve
+from hilore_compiler.solver.mix import bucket_shares
 from hilore_compiler.passes.tracer import TraceConfig, trace
 
 
-def test_calibration_measures_sensitivity_per_kind():
-    model = build_model("tiny")
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    advantages = torch.tensor([[1.0], [-0.5]])
+def _batch(seed: int):
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
 
+
+def _loss(ids, advantages):
     def loss(logits):
         return -(token_logprobs(logits, ids) * advantages).mean()
+    return loss
 
-    traced = trace(model, [ids], loss, config=TraceConfig(repeats=1, warmup=0, verbose=False,
-                                                          codecs=("bf16", "int8")))
+
+@pytest.fixture(scope="module")
+def traced_tiny():
+    model = build_model("tiny")
+    ids = _batch(0)
+    traced = trace(model, [ids], _loss(ids, torch.tensor([[1.0], [-0.5]])),
+                   config=TraceConfig(repeats=1, warmup=0, verbose=False, codecs=("bf16", "int8")))
+    return model, traced
+
+
+def test_calibration_measures_sensitivity_per_kind(traced_tiny):
+    model, traced = traced_tiny
+    ids = _batch(0)
+    loss = _loss(ids, torch.tensor([[1.0], [-0.5]]))
     calibrated = calibrate(model, [ids], loss, traced, exposure=0.75,
                            config=CalibrationConfig(verbose=False))
     measured = [u for u in calibrated.units if u.sensitivity]
@@ -46,3 +64,41 @@ def test_calibration_measures_sensitivity_per_kind():
     print(f"\nmulti-unit plan: measured {together:.3g}, quadrature {quadrature:.3g}, sum {sum(single):.3g}")
     assert 0.8 * quadrature < together < 1.25 * quadrature, (together, quadrature, single)
     assert abs(together - quadrature) < 0.5 * abs(sum(single) - together)  # closer than the plain sum
+
+
+def test_per_unit_calibration_measures_every_unit(traced_tiny):
+    model, traced = traced_tiny
+    ids = _batch(0)
+    calibrated = calibrate(model, [ids], _loss(ids, torch.tensor([[1.0], [-0.5]])), traced,
+                           config=CalibrationConfig(verbose=False, codecs=("int8",), per_unit=True))
+    usable = [u for u in calibrated.units if "int8" in u.codecs and u.codecs["int8"].usable]
+    assert usable and all("int8" in u.sensitivity for u in usable)
+    # Units of one kind get their own values, not one shared per kind.
+    by_kind: dict[str, set[float]] = {}
+    for u in usable:
+        by_kind.setdefault(u.kind, set()).add(u.sensitivity["int8"])
+    assert any(len(values) > 1 for values in by_kind.values())
+
+
+def test_a_buckets_error_scales_with_its_share_of_squared_exposure(traced_tiny):
+    """solver/risk.py: samples' gradients and their errors are nearly orthogonal,
+    so a plan run for one bucket's samples only leaves sqrt(q) of the error it
+    leaves on the whole update, q the bucket's share of the squared exposures,
+    not its mass share m (an error linear in the mass)."""
+    model, traced = traced_tiny
+    units = [u for u in traced.units if "int8" in u.codecs and u.codecs["int8"].usable][:5]
+    plan = {u.key: "compress:int8" for u in units}
+    # Two microbatches: low exposure 1 (samples of advantage +-1), high exposure 2.
+    low, high = torch.tensor([[1.0], [-1.0]]), torch.tensor([[2.0], [-2.0]])
+    exact_low, lossy_low = plan_gradients(model, [_batch(1)], _loss(_batch(1), low), traced, [{}, plan])
+    exact_high, lossy_high = plan_gradients(model, [_batch(2)], _loss(_batch(2), high), traced, [{}, plan])
+    update = (exact_low + exact_high).norm()
+    everywhere = float((lossy_low - exact_low + lossy_high - exact_high).norm() / update)
+    low_only = float((lossy_low - exact_low).norm() / update)
+    shares = {s.spec.name: s for s in bucket_shares(
+        [BucketSpec("low", 0.0, 1.5, 1.0), BucketSpec("high", 1.5, math.inf, 2.0)], [1.0, 1.0, 2.0, 2.0])}
+    assert shares["low"].error == pytest.approx(0.2) and shares["low"].mass == pytest.approx(1 / 3)
+    predicted, linear = everywhere * math.sqrt(shares["low"].error), everywhere * shares["low"].mass
+    print(f"\nlow bucket only: measured {low_only:.3g}, error-share rule {predicted:.3g}, mass rule {linear:.3g}")
+    assert 0.75 * predicted < low_only < 1.33 * predicted, (low_only, predicted, linear)
+    assert abs(low_only - predicted) < abs(low_only - linear)

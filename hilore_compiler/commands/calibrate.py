@@ -10,7 +10,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..models import model_names
 
     p = subparsers.add_parser(
-        "calibrate", help="measure gradient sensitivity per (unit kind, codec) into a trace",
+        "calibrate", help="measure gradient sensitivity per (unit kind or unit, codec) into a trace",
         description="Compress one unit of each kind at a time and compare the gradient with the "
                     "exact one; the solver then bounds measured gradient error instead of a proxy.",
     )
@@ -19,6 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2; the trace's if given)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--codecs", default=None, help="codecs to calibrate, e.g. bf16,int8 (default: all usable)")
+    p.add_argument("--per-unit", action="store_true",
+                   help="measure every unit, not one per kind (a pass per unit and codec): for lossy "
+                        "codecs such as int4, whose error differs across layers of a kind")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True, help="where to write the calibrated trace")
     p.set_defaults(run=run)
@@ -31,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tracefile import load_trace
     from ..passes.tracer import TraceConfig, trace
     from .trace import example_batch, grpo_trace_loss, trace_advantages
+    from . import comma_list
 
     check_output_path(args.output, inputs=[args.trace] if args.trace else [])
     model = build_model(args.model, seed=args.seed)
@@ -41,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
     if source is None:
         source = trace(model, [ids], loss, config=TraceConfig(model_name=args.model))
     exposure = float(trace_advantages(batch, args.seed).abs().mean())
-    codecs = tuple(args.codecs.split(",")) if args.codecs else None
+    codecs = comma_list(args.codecs) if args.codecs else None
     calibrated = calibrate(model, [ids], loss, source, exposure=exposure,
-                           config=CalibrationConfig(codecs=codecs))
+                           config=CalibrationConfig(codecs=codecs, per_unit=args.per_unit))
     path = save_or_fallback(calibrated.save, args.output, "trace")
     print(f"wrote {path}: sensitivities for {sum(bool(u.sensitivity) for u in calibrated.units)} "
           f"of {len(calibrated.units)} units", file=sys.stderr)

@@ -52,6 +52,8 @@ from .runner import (
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
 ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
+#: Codecs whose error binds the default error budget: calibrated unit by unit.
+LOSSY_CODECS = ("int4",)
 LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)",
           "hilore-blind": "HiLoRe, one plan (exposure-blind)", "hilore-buckets": "HiLoRe, buckets",
           "hilore-skip": "HiLoRe, buckets + zero skip"}
@@ -139,12 +141,13 @@ def batch_exposures(batch: RolloutBatch, config: ActorBenchConfig) -> list[float
 
 
 def calibrate_on(policy: torch.nn.Module, trace: Any, batch: RolloutBatch, config: ActorBenchConfig) -> Any:
-    """``trace`` with sensitivities measured on one microbatch of the batch's tokens.
+    """``trace`` with sensitivities measured on one microbatch of the batch's tokens:
+    per kind for the accurate codecs, per unit for the lossy ones (``LOSSY_CODECS``).
 
     Where the error budget binds (int4 on offer), the plans are only as safe
     as their sensitivities: the proxy under-predicted a blind int4 plan's
-    error 3x on one microbatch of this model (0.026 predicted, 0.079
-    measured), the calibrated sensitivities 1.5x (0.025, 0.038).
+    error 3x on one microbatch of this model, and one kind's int4 error
+    varies up to 8x across layers (``passes/calibration.py``).
     """
     from ..commands.trace import grpo_trace_loss
     from ..passes.calibration import CalibrationConfig, calibrate
@@ -153,7 +156,14 @@ def calibrate_on(policy: torch.nn.Module, trace: Any, batch: RolloutBatch, confi
     # calibrate`), since the first microbatch may be a zero-variance group's.
     ids = batch.input_ids[:config.microbatch]  # (micro, T)
     loss = grpo_trace_loss(ids, config.seed)
-    return calibrate(policy, [ids], loss, trace, config=CalibrationConfig(verbose=False))
+    accurate = tuple(c for c in config.codecs if c not in LOSSY_CODECS)
+    lossy = tuple(c for c in config.codecs if c in LOSSY_CODECS)
+    if accurate:
+        trace = calibrate(policy, [ids], loss, trace, config=CalibrationConfig(verbose=False, codecs=accurate))
+    if lossy:
+        trace = calibrate(policy, [ids], loss, trace,
+                          config=CalibrationConfig(verbose=False, codecs=lossy, per_unit=True))
+    return trace
 
 
 def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -168,7 +178,9 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> 
     trace = trace_policy(policy, config.microbatch, config.seq_len, codecs=config.codecs)
     batch = make_batch(policy, config)
     mix = batch_exposures(batch, config)
-    progress("calibrating the codecs' gradient error (one unit of each kind at a time)")
+    per_unit = [c for c in config.codecs if c in LOSSY_CODECS]
+    progress("calibrating the codecs' gradient error (one unit of each kind at a time"
+             + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
     trace = calibrate_on(policy, trace, batch, config)
     common = dict(risk_budget=config.risk_budget, buckets=config.buckets, codecs=list(config.codecs),
                   exposure_mix=mix)

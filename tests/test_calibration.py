@@ -92,6 +92,14 @@ def test_a_buckets_error_scales_with_its_share_of_squared_exposure(traced_tiny):
     low, high = torch.tensor([[1.0], [-1.0]]), torch.tensor([[2.0], [-2.0]])
     exact_low, lossy_low = plan_gradients(model, [_batch(1)], _loss(_batch(1), low), traced, [{}, plan])
     exact_high, lossy_high = plan_gradients(model, [_batch(2)], _loss(_batch(2), high), traced, [{}, plan])
+    # Several microbatches in one call: the update's summed gradient.
+    both_exact, both_lossy = plan_gradients(model, [_batch(1)], _loss(_batch(1), low), traced, [{}, plan],
+                                            more=[([_batch(2)], _loss(_batch(2), high))])
+    assert torch.allclose(both_exact, exact_low + exact_high, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(both_lossy, lossy_low + lossy_high, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="shape"):
+        plan_gradients(model, [_batch(1)], _loss(_batch(1), low), traced, [{}],
+                       more=[([_batch(2)[:1]], _loss(_batch(2)[:1], high[:1]))])
     update = (exact_low + exact_high).norm()
     everywhere = float((lossy_low - exact_low + lossy_high - exact_high).norm() / update)
     low_only = float((lossy_low - exact_low).norm() / update)

@@ -54,6 +54,8 @@ from .runner import (
 ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
 #: Codecs whose error binds the default error budget: calibrated unit by unit.
 LOSSY_CODECS = ("int4",)
+#: Microbatches of the batch the trace is calibrated on, spread over it.
+CALIBRATION_MICROBATCHES = 4
 LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)",
           "hilore-blind": "HiLoRe, one plan (exposure-blind)", "hilore-buckets": "HiLoRe, buckets",
           "hilore-skip": "HiLoRe, buckets + zero skip"}
@@ -141,27 +143,45 @@ def batch_exposures(batch: RolloutBatch, config: ActorBenchConfig) -> list[float
 
 
 def calibrate_on(policy: torch.nn.Module, trace: Any, batch: RolloutBatch, config: ActorBenchConfig) -> Any:
-    """``trace`` with sensitivities measured on one microbatch of the batch's tokens:
-    per kind for the accurate codecs, per unit for the lossy ones (``LOSSY_CODECS``).
+    """``trace`` with sensitivities measured on the update's own loss over
+    ``CALIBRATION_MICROBATCHES`` of the batch's microbatches: per kind for
+    the accurate codecs, per unit for the lossy ones (``LOSSY_CODECS``).
 
     Where the error budget binds (int4 on offer), the plans are only as safe
     as their sensitivities: the proxy under-predicted a blind int4 plan's
-    error 3x on one microbatch of this model, and one kind's int4 error
-    varies up to 8x across layers (``passes/calibration.py``).
+    error 3x on one microbatch of this model, one kind's int4 error varies up
+    to 8x across layers, and one microbatch with the trace loss read 5-20%
+    under the update's own error (``passes/calibration.py``).
     """
-    from ..commands.trace import grpo_trace_loss
+    from ..grpo import grpo_loss
+    from ..models import token_logprobs
     from ..passes.calibration import CalibrationConfig, calibrate
 
-    # The batch's own tokens; standard-normal advantages (as `hilore
-    # calibrate`), since the first microbatch may be a zero-variance group's.
-    ids = batch.input_ids[:config.microbatch]  # (micro, T)
-    loss = grpo_trace_loss(ids, config.seed)
+    n, m = batch.input_ids.shape[0], config.microbatch
+    num_tokens = float(batch.response_mask.sum())
+    # Microbatches whose samples reach the update (a zero-variance group's do not).
+    live = [i for i in range(0, n - m + 1, m) if float(batch.advantages[i:i + m].abs().sum()) > 0]
+    picked = live[::max(1, len(live) // CALIBRATION_MICROBATCHES)][:CALIBRATION_MICROBATCHES]
+    if not picked:
+        raise ValueError("the batch has no sample with a nonzero advantage: nothing to calibrate on")
+
+    def microbatch(i: int):
+        ids = batch.input_ids[i:i + m]  # (micro, T)
+
+        def loss(logits: torch.Tensor) -> torch.Tensor:
+            return grpo_loss(token_logprobs(logits, ids), batch.old_logprobs[i:i + m], batch.advantages[i:i + m],
+                             batch.response_mask[i:i + m], loss_config(config), num_sequences=n,
+                             num_tokens=num_tokens)
+        return [ids], loss
+
+    (first, loss), *more = [microbatch(i) for i in picked]
     accurate = tuple(c for c in config.codecs if c not in LOSSY_CODECS)
     lossy = tuple(c for c in config.codecs if c in LOSSY_CODECS)
     if accurate:
-        trace = calibrate(policy, [ids], loss, trace, config=CalibrationConfig(verbose=False, codecs=accurate))
+        trace = calibrate(policy, first, loss, trace, more=more,
+                          config=CalibrationConfig(verbose=False, codecs=accurate))
     if lossy:
-        trace = calibrate(policy, [ids], loss, trace,
+        trace = calibrate(policy, first, loss, trace, more=more,
                           config=CalibrationConfig(verbose=False, codecs=lossy, per_unit=True))
     return trace
 

@@ -76,9 +76,41 @@ def _grab_graph(model: torch.nn.Module, example_inputs: Sequence[Any]) -> tuple[
     return grabbed[0]
 
 
-def _gradient(gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter],
-              loss_fn: Callable[[Any], torch.Tensor], decisions: Mapping[str, str]) -> torch.Tensor:
-    """The parameter gradient with ``decisions`` applied, run eagerly (no Inductor)."""
+#: A calibration microbatch: the model's inputs and the loss of its output.
+Microbatch = tuple[Sequence[Any], Callable[[Any], torch.Tensor]]
+
+
+def _runs(example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor], inputs: list,
+          more: Sequence[Microbatch]) -> list[tuple[list, Callable[[Any], torch.Tensor]]]:
+    """The graph's input lists for the example microbatch and each of ``more``:
+    the example's tensors swapped for the other microbatch's, parameters shared."""
+    slots = []
+    for position, example in enumerate(example_inputs):
+        if isinstance(example, torch.Tensor):
+            found = [i for i, x in enumerate(inputs) if x is example]
+            if len(found) != 1:
+                raise RuntimeError(f"calibration: example input {position} is not one input of the captured graph")
+            slots.append((position, found[0]))
+    runs = [(list(inputs), loss_fn)]
+    for n, (other, other_loss) in enumerate(more):
+        if len(other) != len(example_inputs):
+            raise ValueError(f"calibration microbatch {n + 1}: {len(other)} inputs, the example has "
+                             f"{len(example_inputs)}")
+        args = list(inputs)
+        for position, slot in slots:
+            tensor = other[position]
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != example_inputs[position].shape:
+                raise ValueError(f"calibration microbatch {n + 1}: input {position} must be a tensor of the "
+                                 f"example's shape {tuple(example_inputs[position].shape)}")
+            args[slot] = tensor
+        runs.append((args, other_loss))
+    return runs
+
+
+def _gradient(gm: fx.GraphModule, runs: Sequence[tuple[list, Callable[[Any], torch.Tensor]]],
+              params: list[torch.nn.Parameter], decisions: Mapping[str, str]) -> torch.Tensor:
+    """The parameter gradient with ``decisions`` applied, run eagerly (no Inductor),
+    accumulated over ``runs`` (graph inputs, loss) as an update accumulates it."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
@@ -91,11 +123,12 @@ def _gradient(gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter]
                            bw_compiler=lambda g, _: make_boxed_func(g),
                            partition_fn=inductor_partition(partitioner),
                            decompositions=select_decomp_table())
-    compiled = backend(gm, inputs)
+    compiled = backend(gm, runs[0][0])
     for p in params:
         p.grad = None
-    out = compiled(*inputs)
-    loss_fn(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out).backward()
+    for inputs, loss_fn in runs:
+        out = compiled(*inputs)
+        loss_fn(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out).backward()
     return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
 
 
@@ -114,25 +147,33 @@ def _representatives(trace: Trace, layer: int | None) -> dict[str, RecoveryUnit]
 def measured_error(model: torch.nn.Module, example_inputs: Sequence[Any],
                    loss_fn: Callable[[Any], torch.Tensor], trace: Trace,
                    plans: Sequence[Mapping[str, str]],
-                   progress: Callable[[str], None] | None = None) -> list[float]:
+                   progress: Callable[[str], None] | None = None,
+                   more: Sequence[Microbatch] = ()) -> list[float]:
     """Relative gradient error of each plan (``{unit key: option}``, others stored) vs store-all.
 
-    ``progress`` hears of each plan as it starts: each is one forward and backward.
+    ``more``: further microbatches (``plan_gradients``). ``progress`` hears
+    of each plan as it starts.
     """
-    exact, *approx = plan_gradients(model, example_inputs, loss_fn, trace, [{}, *plans], progress=progress)
+    exact, *approx = plan_gradients(model, example_inputs, loss_fn, trace, [{}, *plans], progress=progress,
+                                    more=more)
     return [float((g - exact).norm() / exact.norm().clamp_min(1e-30)) for g in approx]
 
 
 def plan_gradients(model: torch.nn.Module, example_inputs: Sequence[Any],
                    loss_fn: Callable[[Any], torch.Tensor], trace: Trace,
                    plans: Sequence[Mapping[str, str]],
-                   progress: Callable[[str], None] | None = None) -> list[torch.Tensor]:
+                   progress: Callable[[str], None] | None = None,
+                   more: Sequence[Microbatch] = ()) -> list[torch.Tensor]:
     """The flat parameter gradient under each plan (``{unit key: option}``, others stored).
 
-    The model's ``.grad`` are reset to None afterwards. ``progress`` hears of
-    each plan as it starts: each is one forward and backward.
+    ``more``: further microbatches of the example's shape, each with its own
+    loss; the gradient is the sum over all of them, as an update accumulates
+    it (one compile per plan, a forward and backward per microbatch). The
+    model's ``.grad`` are reset to None afterwards. ``progress`` hears of
+    each plan as it starts.
     """
     gm, inputs = _grab_graph(model, example_inputs)
+    runs = _runs(example_inputs, loss_fn, inputs, more)
     params = [p for p in model.parameters() if p.requires_grad]
     store_all = {u.key: STORE for u in trace.units}
     out = []
@@ -140,7 +181,7 @@ def plan_gradients(model: torch.nn.Module, example_inputs: Sequence[Any],
         if progress is not None:
             what = ", ".join(f"{k} {o}" for k, o in plan.items()) or "store-all"
             progress(f"{i + 1}/{len(plans)}: {what}")
-        out.append(_gradient(gm, inputs, params, loss_fn, {**store_all, **plan}))
+        out.append(_gradient(gm, runs, params, {**store_all, **plan}))
     for p in params:
         p.grad = None
     return out
@@ -148,10 +189,14 @@ def plan_gradients(model: torch.nn.Module, example_inputs: Sequence[Any],
 
 def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
               trace: Trace, *, exposure: float | None = None,
-              config: CalibrationConfig = CalibrationConfig()) -> Trace:
-    """Measure sensitivity per (unit kind, codec) and return the trace with it filled in.
+              config: CalibrationConfig = CalibrationConfig(), more: Sequence[Microbatch] = ()) -> Trace:
+    """Measure sensitivity per (unit kind or unit, codec) and return the trace with it filled in.
 
-    ``example_inputs`` must have the traced shape. ``exposure`` is accepted
+    ``example_inputs`` must have the traced shape. ``more``: further
+    microbatches of that shape with their own losses: the errors are then
+    those of their summed gradient, an update's (the update's own loss over
+    several microbatches predicts its error better than one microbatch:
+    module docstring). ``exposure`` is accepted
     for older callers and ignored: the sensitivity is a relative error, which
     does not depend on the batch's exposure (module docstring).
     """
@@ -165,7 +210,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Ca
 
     errors = measured_error(model, example_inputs, loss_fn, trace,
                             [{unit.key: compress(codec)} for _, unit, codec in pairs],
-                            progress=progress if config.verbose else None)
+                            progress=progress if config.verbose else None, more=more)
     measured: dict[tuple[str, str], float] = {}
     for (name, _, codec), rel in zip(pairs, errors):
         measured[name, codec] = rel

@@ -26,7 +26,7 @@ from hilore_compiler.solver.budget import format_bytes
 from hilore_compiler.solver.memory import plan_risk, rule_violations
 from hilore_compiler.solver.planner import verify, verify_risk
 from hilore_compiler.solver.ilp import BucketWeight
-from hilore_compiler.solver.risk import PROXY_FACTOR, cosine_to_error2, parse_risk_budget
+from hilore_compiler.solver.risk import PROXY_FACTOR, bucket_specs, cosine_to_error2, parse_risk_budget
 from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
 from hilore_compiler.tracefile import Trace
 from hilore_compiler.vocabulary import in_bucket
@@ -274,6 +274,16 @@ def test_buckets_default_and_explicit():
     squares = [sum(x * x for x in mix if x > 0 and in_bucket(x, s.spec.lo, s.spec.hi)) for s in shares]
     assert [s.error for s in shares] == pytest.approx([q / sum(squares) for q in squares])
     assert shares[0].error < shares[0].mass and shares[-1].error > shares[-1].mass
+    # Off-policy: bounds pick the buckets, expected exposures weigh them. A
+    # bound that overstates the top bucket's samples must not lower b0's share.
+    bounds = [2 * x if x > 1 else x for x in mix]
+    split = bucket_specs(3, bounds)
+    weighted = bucket_shares(split, bounds, gradient_exposures=mix)
+    by_bound = bucket_shares(split, bounds)
+    assert [s.samples for s in weighted] == [s.samples for s in by_bound]
+    assert weighted[0].error > by_bound[0].error and weighted[-1].error < by_bound[-1].error
+    with pytest.raises(ValueError, match="gradient_exposures"):
+        bucket_shares(split, bounds, gradient_exposures=mix[:-1])
     trace = random_trace(5, num_units=4)
     plan = solve(trace, "0.9x-store", buckets=[("lo", 0, 1, 1), BucketSpec("hi", 1, math.inf, 8)])
     assert plan.bucket_names == ("zero", "lo", "hi")

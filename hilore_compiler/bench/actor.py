@@ -130,12 +130,16 @@ def make_batch(policy: torch.nn.Module, config: ActorBenchConfig) -> RolloutBatc
                         group_ids=groups, advantages=group_advantages(rewards, groups))
 
 
-def batch_exposures(batch: RolloutBatch, config: ActorBenchConfig) -> list[float]:
+def batch_exposures(batch: RolloutBatch, config: ActorBenchConfig, *, on_policy: bool = False) -> list[float]:
     """Plan exposures of the batch as the update buckets them (the off-policy bound),
-    infinite ones clipped to the largest finite one: the mix the plans are solved for."""
+    infinite ones clipped to the largest finite one: the mix the plans are solved for.
+
+    ``on_policy``: the exposures at ratio 1 instead, what each sample's
+    gradient is expected to carry; they weigh the buckets' error shares.
+    """
     n = batch.input_ids.shape[0]
     bound = exposure_bound_before_forward(batch.advantages, batch.response_mask, loss_config(config),
-                                          on_policy=False, num_sequences=n,
+                                          on_policy=on_policy, num_sequences=n,
                                           num_tokens=float(batch.response_mask.sum()))
     finite = [float(x) for x in bound if math.isfinite(float(x))]
     top = max(finite, default=1.0)
@@ -203,7 +207,7 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> 
              + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
     trace = calibrate_on(policy, trace, batch, config)
     common = dict(risk_budget=config.risk_budget, buckets=config.buckets, codecs=list(config.codecs),
-                  exposure_mix=mix)
+                  exposure_mix=mix, gradient_exposures=batch_exposures(batch, config, on_policy=True))
     plans = {"buckets": solve(trace, config.budget, **common),
              "blind": exposure_blind_plan(trace, config.budget, **common)}
     paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}

@@ -30,6 +30,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
                buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS, codecs=None,
                batch: int | None = None, seq_len: int | None = None,
                exposure_mix: Sequence[float] | str | os.PathLike | None = None,
+               gradient_exposures: Sequence[float] | None = None,
                label: str = "fixed", loss_ratio: float = 0.0) -> Plan:
     """A plan with given decisions; raises ValueError when a decision breaks the
     rules (recompute from a compressed unit, an unusable codec, a non-recomputable unit).
@@ -42,7 +43,8 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
     """
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
     exposures = mix_exposures(exposure_mix)
-    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
+    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
+                    key=lambda s: s.spec.lo)
     plans = []
     for share in shares:
         if callable(decide):
@@ -78,7 +80,8 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
                         risk_budget: float | str | None = None,
                         buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
                         codecs=None, batch: int | None = None, seq_len: int | None = None,
-                        exposure_mix: Sequence[float] | str | os.PathLike | None = None) -> Plan:
+                        exposure_mix: Sequence[float] | str | os.PathLike | None = None,
+                        gradient_exposures: Sequence[float] | None = None) -> Plan:
     """The control for exposure conditioning: the same memory and error budget,
     solved as if one bucket held the whole update (error share 1, the only safe
     assumption without exposure), its decisions repeated in every bucket so
@@ -90,6 +93,7 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
     decisions = one.decisions("b0")
     names = [s.name for s in bucket_specs(buckets, mix_exposures(exposure_mix))]
     plan = fixed_plan(trace, {n: decisions for n in names}, buckets=buckets, codecs=codecs, batch=batch,
-                      seq_len=seq_len, exposure_mix=exposure_mix, label="exposure-blind")
+                      seq_len=seq_len, exposure_mix=exposure_mix, gradient_exposures=gradient_exposures,
+                      label="exposure-blind")
     return dataclasses.replace(plan, budget=one.budget, budget_bytes=one.budget_bytes,
                                risk_budget=one.risk_budget)

@@ -68,26 +68,36 @@ def save_exposure_mix(exposures: Sequence[float], path: str | os.PathLike) -> Pa
     return write_json_atomic(path, {"schema": MIX_SCHEMA, "exposures": [float(x) for x in exposures]})
 
 
-def bucket_shares(specs: Sequence[BucketSpec], exposures: Sequence[float]) -> tuple[BucketShare, ...]:
+def bucket_shares(specs: Sequence[BucketSpec], exposures: Sequence[float],
+                  gradient_exposures: Sequence[float] | None = None) -> tuple[BucketShare, ...]:
     """Each bucket's share of the mix's samples (zero samples count), of its
     mass (sum of exposures) and of its squared exposure (``risk.py``).
 
     A nonzero exposure above every range counts in the top bucket, as the
-    runtime sends it there.
+    runtime sends it there. ``gradient_exposures``: when ``exposures`` are
+    the safe bounds that pick each sample's bucket (off-policy), the exposure
+    each sample's gradient is expected to have (on-policy, ratio 1); they
+    weigh the mass and error shares. A bound overstates the high buckets'
+    share of the gradient (clipped tokens carry none), which would make the
+    low buckets' lossy plans look cheaper than they are.
     """
     if not exposures:
         raise ValueError("the exposure mix is empty")
+    weights = exposures if gradient_exposures is None else gradient_exposures
+    if len(weights) != len(exposures) or any(not (w >= 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"gradient_exposures must be {len(exposures)} finite numbers >= 0, one per sample "
+                         "of the exposure mix")
     top = max(specs, key=lambda s: s.hi)
     count = {s.name: 0 for s in specs}
     mass = {s.name: 0.0 for s in specs}
     square = {s.name: 0.0 for s in specs}
-    for x in exposures:
+    for x, w in zip(exposures, weights):
         if x == 0:
             continue
         spec = next((s for s in specs if in_bucket(x, s.lo, s.hi)), top)
         count[spec.name] += 1
-        mass[spec.name] += x
-        square[spec.name] += x * x
+        mass[spec.name] += w
+        square[spec.name] += w * w
     total, total_square = sum(mass.values()), sum(square.values())
     if total <= 0:
         raise ValueError("the exposure mix has no nonzero exposure: nothing reaches the update")

@@ -244,7 +244,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-          loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
+          gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
           options: SolverOptions | None = None, progress: Progress | None = None) -> Plan:
     """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
@@ -259,7 +259,9 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     ``BucketSpec(name, lo, hi, exposure)`` / 4-tuples. The ``zero`` bucket
     (plan ``skip``) is always added. ``exposure_mix``: plan exposures of a
     typical batch, or a ``hilore.exposure-mix/v1`` file (default: GRPO's, ``mix.py``).
-    ``codecs``: names the trace measured (default: all). ``batch`` /
+    ``gradient_exposures``: where the mix holds off-policy bounds, each
+    sample's expected (on-policy) exposure, which weighs the buckets' error
+    (``mix.bucket_shares``). ``codecs``: names the trace measured (default: all). ``batch`` /
     ``seq_len``: plan for another shape than traced.
     """
     check_cbc()
@@ -272,7 +274,8 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
         raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
     budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     exposures = mix_exposures(exposure_mix)
-    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures), key=lambda s: s.spec.lo)
+    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
+                    key=lambda s: s.spec.lo)
     weights = [BucketWeight(name=s.spec.name, samples=s.samples, error=s.error) for s in shares]
     say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
         f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "

@@ -110,3 +110,18 @@ def test_a_buckets_error_scales_with_its_share_of_squared_exposure(traced_tiny):
     print(f"\nlow bucket only: measured {low_only:.3g}, error-share rule {predicted:.3g}, mass rule {linear:.3g}")
     assert 0.75 * predicted < low_only < 1.33 * predicted, (low_only, predicted, linear)
     assert abs(low_only - predicted) < abs(low_only - linear)
+
+
+def test_cli_calibrates_every_unit_on_several_microbatches(traced_tiny, tmp_path, capsys):
+    from hilore_compiler.cli import main
+    from hilore_compiler.tracefile import load_trace
+
+    source, out = traced_tiny[1].save(tmp_path / "source.json"), tmp_path / "trace.json"
+    common = ["calibrate", "--model", "tiny", "--trace", str(source), "--codecs", "int8"]
+    assert main([*common, "--microbatches", "0", "-o", str(out)]) == 2
+    assert "--microbatches" in capsys.readouterr().err and not out.exists()
+    assert main([*common, "--per-unit", "--microbatches", "2", "-o", str(out)]) == 0
+    calibrated = load_trace(out)
+    usable = [u for u in calibrated.units if "int8" in u.codecs and u.codecs["int8"].usable]
+    assert usable and all("int8" in u.sensitivity for u in usable)
+    assert "(unit, codec) pairs" in calibrated.notes[-1]

@@ -22,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--per-unit", action="store_true",
                    help="measure every unit, not one per kind (a pass per unit and codec): for lossy "
                         "codecs such as int4, whose error differs across layers of a kind")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches of random tokens whose summed gradient is compared (default 1): "
+                        "more read an update's error more closely, each costs a forward and backward per pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True, help="where to write the calibrated trace")
     p.set_defaults(run=run)
@@ -36,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from .trace import example_batch, grpo_trace_loss, trace_advantages
     from . import comma_list
 
+    if args.microbatches < 1:
+        raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
     check_output_path(args.output, inputs=[args.trace] if args.trace else [])
     model = build_model(args.model, seed=args.seed)
     source = load_trace(args.trace) if args.trace else None
@@ -46,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
         source = trace(model, [ids], loss, config=TraceConfig(model_name=args.model))
     exposure = float(trace_advantages(batch, args.seed).abs().mean())
     codecs = comma_list(args.codecs) if args.codecs else None
-    calibrated = calibrate(model, [ids], loss, source, exposure=exposure,
+    more = []
+    for k in range(1, args.microbatches):  # further microbatches: their own tokens and advantages
+        other = example_batch(model, batch, seq_len, args.seed + k, "cpu")
+        more.append(([other], grpo_trace_loss(other, args.seed + k)))
+    calibrated = calibrate(model, [ids], loss, source, exposure=exposure, more=more,
                            config=CalibrationConfig(codecs=codecs, per_unit=args.per_unit))
     path = save_or_fallback(calibrated.save, args.output, "trace")
     print(f"wrote {path}: sensitivities for {sum(bool(u.sensitivity) for u in calibrated.units)} "

@@ -2,7 +2,7 @@
 
 Prints the README's table "Per-bucket decisions at 1.10x-gc": for each trace
 and error target, each bucket's plan, the summed risk against the budget,
-each bucket's own squared error (its risk over its squared mass share), and
+each bucket's own squared error (its risk over its error share), and
 the recovery time over the default exposure mix (each bucket's time weighted
 by its share of samples) of the joint plan and of the exposure-blind one at
 the same memory and error budget. Run from the repository root:
@@ -18,7 +18,8 @@ from hilore_compiler.planfile import BucketPlan
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.fixed import exposure_blind_plan
 
-CASES = (("small", "traces/small-cpu-T2048.json"), ("8B", "traces/llama-8b-roofline-h100.json"))
+CASES = (("small", "traces/small-cpu-T2048.json"), ("8B", "traces/llama-8b-roofline-h100.json"),
+         ("small with int4", "traces/small-cpu-T2048-int4.json"))
 TARGETS = ("cos>=0.999", "cos>=0.99999")
 
 

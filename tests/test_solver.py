@@ -428,6 +428,26 @@ def test_checked_in_traces_buckets_differ_where_the_budget_binds():
     assert not any(b.proxy_sensitivity for b in small.buckets if not b.skip)  # calibrated
 
 
+def test_checked_in_int4_trace_buckets_differ_at_the_default_target():
+    """With int4 on offer (traces/small-cpu-T2048-int4.json, int4 calibrated
+    unit by unit) the default target (cos >= 0.999) binds at 1.10x-gc: the
+    low-exposure bucket takes int4 where the top bucket keeps int8, and the
+    joint plan is faster over the mix than the exposure-blind one."""
+    from pathlib import Path
+
+    from hilore_compiler.solver.fixed import exposure_blind_plan
+
+    path = Path(__file__).parent.parent / "traces" / "small-cpu-T2048-int4.json"
+    plan = solve(path, "1.10x-gc")
+    solved = [b for b in plan.buckets if not b.skip]
+    assert sum(b.risk for b in solved) > 0.9 * plan.risk_budget  # the budget binds
+    assert len({b.decisions for b in solved}) > 1, "buckets collapsed to one plan where the budget binds"
+    int4 = [sum(o == "compress:int4" for _, o in b.decisions) for b in solved]
+    assert int4[0] > int4[-1], int4
+    blind = [b for b in exposure_blind_plan(path, "1.10x-gc").buckets if not b.skip]
+    assert sum(b.sample_share * b.time_s for b in solved) < sum(b.sample_share * b.time_s for b in blind)
+
+
 def test_step_peak_counts_outputs_loss_and_weight_gradients():
     """The step's peak (memory.py): kept + the worse of the loss phase and each segment's backward."""
     import dataclasses

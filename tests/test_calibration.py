@@ -66,20 +66,6 @@ def test_calibration_measures_sensitivity_per_kind(traced_tiny):
     assert abs(together - quadrature) < 0.5 * abs(sum(single) - together)  # closer than the plain sum
 
 
-def test_per_unit_calibration_measures_every_unit(traced_tiny):
-    model, traced = traced_tiny
-    ids = _batch(0)
-    calibrated = calibrate(model, [ids], _loss(ids, torch.tensor([[1.0], [-0.5]])), traced,
-                           config=CalibrationConfig(verbose=False, codecs=("int8",), per_unit=True))
-    usable = [u for u in calibrated.units if "int8" in u.codecs and u.codecs["int8"].usable]
-    assert usable and all("int8" in u.sensitivity for u in usable)
-    # Units of one kind get their own values, not one shared per kind.
-    by_kind: dict[str, set[float]] = {}
-    for u in usable:
-        by_kind.setdefault(u.kind, set()).add(u.sensitivity["int8"])
-    assert any(len(values) > 1 for values in by_kind.values())
-
-
 def test_a_buckets_error_scales_with_its_share_of_squared_exposure(traced_tiny):
     """solver/risk.py: samples' gradients and their errors are nearly orthogonal,
     so a plan run for one bucket's samples only leaves sqrt(q) of the error it
@@ -125,3 +111,8 @@ def test_cli_calibrates_every_unit_on_several_microbatches(traced_tiny, tmp_path
     usable = [u for u in calibrated.units if "int8" in u.codecs and u.codecs["int8"].usable]
     assert usable and all("int8" in u.sensitivity for u in usable)
     assert "(unit, codec) pairs" in calibrated.notes[-1]
+    # Units of one kind get their own values, not one shared per kind.
+    by_kind: dict[str, set[float]] = {}
+    for u in usable:
+        by_kind.setdefault(u.kind, set()).add(u.sensitivity["int8"])
+    assert any(len(values) > 1 for values in by_kind.values())

@@ -17,8 +17,8 @@ from ..planfile import BucketSpec, Plan
 from ..tracefile import Trace
 from ..vocabulary import STORE, compress
 from .memory import UnitCost, rule_violations
-from .mix import bucket_shares, zero_share
-from .planner import bucket_plan, mix_exposures, plan_units, prepare, skip_bucket
+from .mix import zero_share
+from .planner import bucket_plan, mix_exposures, plan_units, planned_shares, prepare, skip_bucket
 from .risk import DEFAULT_NUM_BUCKETS, bucket_specs
 
 #: ``decide``: a function of a unit (at the planned shape) -> option, used in
@@ -43,8 +43,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
     """
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
     exposures = mix_exposures(exposure_mix)
-    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
-                    key=lambda s: s.spec.lo)
+    shares = planned_shares(buckets, exposures, gradient_exposures)
     plans = []
     for share in shares:
         if callable(decide):

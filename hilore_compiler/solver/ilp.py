@@ -18,9 +18,10 @@ sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
 
 Constraints: each bucket's rules and its memory under the ceiling (buckets run
 one after another), and one error budget shared by all buckets,
-sum_b q_b sum_u s(u)^2 x[b,u,compress], q_b the bucket's error share (``risk.py``).
-Only the budget couples the buckets: it is what lets low-exposure buckets spend error on fast,
-lossy options that high-mass buckets cannot afford. The second problem here
+sum_b q_b sum_u s(u)^2 x[b,u,compress], q_b the bucket's error share
+(``risk.py``). Only the budget couples the buckets: it is what lets
+low-exposure buckets spend error on fast, lossy options that high-exposure
+buckets cannot afford. The second problem here
 minimises the largest bucket memory instead, to name the smallest feasible
 budget when the first is infeasible.
 

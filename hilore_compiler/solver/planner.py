@@ -239,6 +239,13 @@ def mix_exposures(exposure_mix: Sequence[float] | str | os.PathLike | None) -> t
     return tuple(float(x) for x in exposure_mix)
 
 
+def planned_shares(buckets: int | Sequence[BucketSpec | tuple], exposures: Sequence[float],
+                   gradient_exposures: Sequence[float] | None = None) -> list[BucketShare]:
+    """Each bucket's share of the mix (``mix.bucket_shares``), lowest range first."""
+    return sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
+                  key=lambda s: s.spec.lo)
+
+
 def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_BUDGET,
           risk_budget: float | str | None = DEFAULT_RISK_BUDGET,
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
@@ -274,8 +281,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
         raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
     budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     exposures = mix_exposures(exposure_mix)
-    shares = sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
-                    key=lambda s: s.spec.lo)
+    shares = planned_shares(buckets, exposures, gradient_exposures)
     weights = [BucketWeight(name=s.spec.name, samples=s.samples, error=s.error) for s in shares]
     say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
         f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "

@@ -73,6 +73,11 @@ class RecoveryUnit:
     #: False for random ops without saved seeds, side effects or mutation.
     recomputable: bool = True
     not_recomputable_reason: str | None = None
+    #: Key of the first unit made after this unit's last forward reader, or
+    #: ``READ_PAST_UNITS``: backward needs this unit from that unit's backward
+    #: down to its own. None in traces that predate it (the memory model then
+    #: takes the last unit whose recomputation reads it).
+    read_until: str | None = None
     codecs: dict[str, CodecCost] = field(default_factory=dict)
     #: Calibrated gradient sensitivity per codec: relative gradient error per
     #: unit of exposure when only this unit is compressed. Empty until calibrated.
@@ -110,6 +115,11 @@ class Trace:
     #: head) or ``"inputs"`` (read before them: the embedding, whose gradient
     #: backward makes last); empty in traces that predate it.
     param_bytes: dict[str, int] = field(default_factory=dict)
+    #: Per backward segment, the bytes of its largest parameter that several
+    #: forward ops read (a chunked lm_head): backward holds one partial
+    #: gradient of that size beside the sum. Empty where none is (and in
+    #: traces that predate it).
+    partial_grad_bytes: dict[str, int] = field(default_factory=dict)
 
     def unit(self, key: str) -> RecoveryUnit:
         for u in self.units:
@@ -173,6 +183,7 @@ def _unit(obj: Any, where: str) -> RecoveryUnit:
         recompute_source=require(obj, "recompute_source", str, where),
         recomputable=require(obj, "recomputable", bool, where),
         not_recomputable_reason=optional(obj, "not_recomputable_reason", (str, type(None)), where, None),
+        read_until=optional(obj, "read_until", (str, type(None)), where, None),
         codecs={n: _codec_cost(c, f"{where}.codecs.{n}") for n, c in codecs.items()},
         sensitivity={n: _number(sensitivity, n, f"{where}.sensitivity") for n in sensitivity},
     )
@@ -206,6 +217,7 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         notes=tuple(optional(payload, "notes", list, where, [])),
         output_bytes=optional(payload, "output_bytes", str, where, "0"),
         param_bytes=optional(payload, "param_bytes", dict, where, {}),
+        partial_grad_bytes=optional(payload, "partial_grad_bytes", dict, where, {}),
     )
     raise_problems(trace_problems(trace, where))
     return trace

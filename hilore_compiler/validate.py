@@ -20,6 +20,7 @@ from typing import Any
 
 from .jsonio import FormatError
 from .sizeexpr import eval_size, parse_size
+from .vocabulary import READ_PAST_UNITS
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -94,6 +95,9 @@ def _trace_unit(u: Any, at: str, batch: int, seq_len: int, keys: set[str]) -> li
         problems.append(f"{at}.recompute_from: unknown unit(s) {unknown[:3]}")
     if u.key in u.recompute_from:
         problems.append(f"{at}.recompute_from: a unit cannot be recomputed from itself")
+    if u.read_until is not None and u.read_until != READ_PAST_UNITS and u.read_until not in keys:
+        problems.append(f"{at}.read_until: unknown unit {u.read_until!r} (a unit key, "
+                        f"{READ_PAST_UNITS!r} or null)")
     for name, c in u.codecs.items():
         problems += [] if name else [f"{at}.codecs: empty codec name"]
         problems += _size(c.bytes, f"{at}.codecs.{name}.bytes", batch, seq_len)[0]
@@ -122,10 +126,11 @@ def trace_problems(trace: Any, where: str) -> list[str]:
         problems += _trace_unit(u, f"{where}.units[{i}][{u.key}]", trace.batch, trace.seq_len, keys)
     for field in ("gc_bytes", "store_bytes", "output_bytes"):
         problems += _size(getattr(trace, field), f"{where}.{field}", trace.batch, trace.seq_len)[0]
-    for segment, value in trace.param_bytes.items():
-        if not _SEGMENT.match(str(segment)):
-            problems.append(f"{where}.param_bytes: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
-        problems += _number(value, f"{where}.param_bytes.{segment}", integer=True)
+    for name in ("param_bytes", "partial_grad_bytes"):
+        for segment, value in getattr(trace, name).items():
+            if not _SEGMENT.match(str(segment)):
+                problems.append(f"{where}.{name}: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
+            problems += _number(value, f"{where}.{name}.{segment}", integer=True)
     return problems
 
 

@@ -26,6 +26,9 @@ COMPRESS_PREFIX = "compress:"
 #: The zero bucket's plan: the runtime skips backward for it altogether.
 SKIP = "skip"
 
+#: A unit's ``read_until`` when forward reads it after the last unit is made.
+READ_PAST_UNITS = "<after the last unit>"
+
 #: ``node.meta`` key holding the codec a joint-graph node encodes or decodes.
 CODEC_META_KEY = "hilore_codec"
 

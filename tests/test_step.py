@@ -14,6 +14,7 @@ from hilore_compiler.backend import HiLoReBackend
 from hilore_compiler.grpo import GRPOConfig, compiled_step, step_fn
 from hilore_compiler.grpo.step import hidden_states, output_weight
 from hilore_compiler.models import build_model, chunked_token_logprobs, token_logprobs
+from hilore_compiler.tracefile import load_trace
 
 BATCH, SEQ, CHUNK = 2, 16, 8
 LOSS = GRPOConfig()
@@ -50,35 +51,39 @@ def hf_llama() -> torch.nn.Module:
     return build_hf_model("llama", vocab_size=64, layers=1, use_cache=False)
 
 
-#: name -> (build, vocab, chunk_tokens of the compiled step); one layer where two add nothing:
-#: compiles are the cost (two for tiny, whose 1.0x-gc plan must recompute something).
+#: name -> (build, vocab, chunk_tokens of the compiled step, checkpoint_chunks); one layer
+#: where two add nothing: compiles are the cost (two for tiny, whose 1.0x-gc plan must
+#: recompute something). "tiny-planned" leaves its chunks' logits to the planner.
 MODELS = {
-    "tiny": (lambda: build_model("tiny"), 256, None),
-    "gpt-tiny": (lambda: build_model("gpt-tiny", n_layers=1), 256, CHUNK),
-    "hf-llama": (hf_llama, 64, CHUNK),
+    "tiny": (lambda: build_model("tiny"), 256, None, True),
+    "tiny-planned": (lambda: build_model("tiny", n_layers=1), 256, CHUNK, False),
+    "gpt-tiny": (lambda: build_model("gpt-tiny", n_layers=1), 256, CHUNK, True),
+    "hf-llama": (hf_llama, 64, CHUNK, True),
 }
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def compiled(request):
+def compiled(request, tmp_path_factory):
     """One whole-step compile per model, store/recompute only, at a budget that forces recompute."""
-    build, vocab, chunk = MODELS[request.param]
+    build, vocab, chunk, checkpoint_chunks = MODELS[request.param]
     model = build()
-    backend = HiLoReBackend({"codecs": [], "memory_budget": "1.0x-gc", "buckets": 1, "verbose": False})
-    step = compiled_step(model, LOSS, backend=backend, chunk_tokens=chunk)
+    cache = tmp_path_factory.mktemp(request.param)  # keeps the trace for inspection
+    backend = HiLoReBackend({"codecs": [], "memory_budget": "1.0x-gc", "buckets": 1, "verbose": False,
+                             "cache_dir": str(cache)})
+    step = compiled_step(model, LOSS, backend=backend, chunk_tokens=chunk, checkpoint_chunks=checkpoint_chunks)
     got = step_grads(model, step, vocab)
     want = step_grads(model, step_fn(model, LOSS), vocab)  # eager, unchunked
-    return request.param, backend, got, want
+    return request.param, backend, got, want, cache
 
 
 def test_compiled_step_gradients_are_exact(compiled):
-    name, backend, got, want = compiled
+    name, backend, got, want, _ = compiled
     assert len(backend.graphs) == 1, f"{name}: the step broke into {len(backend.graphs)} graphs"
     assert rel_l2(got, want) < 1e-4
 
 
 def test_loss_side_is_planned(compiled):
-    name, backend, _, _ = compiled
+    name, backend, _, _, _ = compiled
     (graph,) = backend.graphs
     keys = [u.key for u in graph.plan.units]
     # The log-softmax statistics and the loss live at the top level of the step function.
@@ -87,6 +92,32 @@ def test_loss_side_is_planned(compiled):
         (head,) = [u for u in graph.plan.units if u.key.startswith("lm_head:")]
         assert head.bytes == BATCH * SEQ * 256 * 4
         assert graph.records[0].counts["recompute"] > 0  # 1.0x-gc: something is recomputed
+
+
+def test_chunk_logits_are_units_only_without_checkpoint(compiled):
+    """Checkpointed chunks are always recomputed, out of the planner's sight.
+    Without checkpoint each chunk's logits are a unit of their own, which
+    backward needs only for that chunk's gradient (``read_until``: the next
+    chunk's unit), although recomputing the loss's saved ratio reads them
+    all; and the lm_head, read by every chunk, holds a partial gradient of
+    its own size (``partial_grad_bytes``)."""
+    name, _, _, _, cache = compiled
+    (path,) = cache.glob("*.trace.json")
+    trace = load_trace(path)
+    chunks = [u for u in trace.units if u.key.startswith("<top>:mm:")]
+    _, vocab, chunk, checkpoint_chunks = MODELS[name]
+    if chunk is None or checkpoint_chunks:
+        assert not chunks, [u.key for u in chunks]
+        return
+    assert len(chunks) == -(-BATCH * (SEQ - 1) // chunk), [u.key for u in trace.units]
+    assert chunks[0].bytes_at_trace == chunk * vocab * 4
+    for unit, after in zip(chunks, chunks[1:]):
+        assert unit.read_until == after.key, (unit.key, unit.read_until)
+    keys = [u.key for u in trace.units]
+    ratio = [u for u in trace.units if {c.key for c in chunks} <= set(u.recompute_from)]
+    assert ratio and keys.index(chunks[-1].read_until) <= keys.index(ratio[0].key)
+    head = build_model("tiny", n_layers=1).lm_head.weight
+    assert trace.partial_grad_bytes == {"outside": head.numel() * head.element_size()}
 
 
 class LargestOutput(TorchDispatchMode):

@@ -28,11 +28,12 @@ named with ``--methods``:
 
 - ``gc-chunked``: ``gc`` plus chunked log-probs (``chunk_tokens`` tokens at a
   time under checkpoint, so no (B, T, V) logits tensor is alive), no planning.
-- ``hilore-step``: the hilore backend on the whole step with the same chunked
-  log-probs, so the loss side never holds (B, T, V) logits and the planner
-  spends the memory this frees on the layers' activations; its ``x-gc``
-  budget is a multiple of ``gc-chunked``'s measured peak (the runner's),
-  the baseline it competes with.
+- ``hilore-step``: the hilore backend on the whole step with log-probs in
+  chunks of the same size, not checkpointed: the planner decides per chunk
+  whether backward gets its logits stored or recomputed, and spends what
+  recomputing them frees on the layers' activations; its ``x-gc`` budget is
+  a multiple of ``gc-chunked``'s measured peak (the runner's), the baseline
+  it competes with.
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_conf
     from ..backend import HiLoReBackend
 
     backend = HiLoReBackend(_hilore_options(options))
-    step = compiled_step(model, loss_config, backend=backend, chunk_tokens=options.chunk_tokens)
+    step = compiled_step(model, loss_config, backend=backend, chunk_tokens=options.chunk_tokens,
+                         checkpoint_chunks=False)
     return PreparedMethod(name=name, policy=model, step=step, backend=backend)
 
 

@@ -64,7 +64,8 @@ def _logits(model: nn.Module, input_ids: Tensor) -> Tensor:
     return out if isinstance(out, Tensor) else out.logits  # Hugging Face returns an output record
 
 
-def step_fn(model: nn.Module, config: GRPOConfig, *, chunk_tokens: int | None = None) -> StepFn:
+def step_fn(model: nn.Module, config: GRPOConfig, *, chunk_tokens: int | None = None,
+            checkpoint_chunks: bool = True) -> StepFn:
     """The uncompiled actor step: the eager reference of ``compiled_step``."""
 
     def step(input_ids: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
@@ -72,7 +73,8 @@ def step_fn(model: nn.Module, config: GRPOConfig, *, chunk_tokens: int | None = 
             logprobs = token_logprobs(_logits(model, input_ids), input_ids)  # (B, T-1) fp32
         else:
             logprobs = chunked_token_logprobs(hidden_states(model, input_ids), output_weight(model),
-                                              input_ids, chunk_tokens)  # (B, T-1) fp32
+                                              input_ids, chunk_tokens,
+                                              checkpoint_chunks=checkpoint_chunks)  # (B, T-1) fp32
         return grpo_loss(logprobs, old_logprobs, advantages, mask, config)
 
     return step
@@ -85,6 +87,7 @@ def compiled_step(
     backend: str | Callable[..., Any] = "hilore",
     options: Mapping[str, Any] | None = None,
     chunk_tokens: int | None = None,
+    checkpoint_chunks: bool = True,
 ) -> StepFn:
     """``torch.compile`` of the whole actor step (forward, fp32 token log-probs, GRPO loss) as one graph.
 
@@ -96,6 +99,9 @@ def compiled_step(
         options: the backend's options (``{"memory_budget": "1.0x-gc"}``).
         chunk_tokens: compute log-probs this many tokens at a time under
             checkpoint (see the module docstring); None: all at once.
+        checkpoint_chunks: False computes the chunks without checkpoint, so
+            that the hilore backend plans each chunk's logits (store,
+            compress or recompute) instead of always recomputing them.
 
     Returns:
         ``step(input_ids (B, T), old_logprobs (B, T-1), advantages (B,) or (B, T-1),
@@ -105,4 +111,5 @@ def compiled_step(
     kwargs: dict[str, Any] = {"backend": backend}
     if options is not None:
         kwargs["options"] = dict(options)
-    return torch.compile(step_fn(model, config, chunk_tokens=chunk_tokens), **kwargs)
+    return torch.compile(step_fn(model, config, chunk_tokens=chunk_tokens, checkpoint_chunks=checkpoint_chunks),
+                         **kwargs)

@@ -11,9 +11,11 @@ token t + 1. The first token has no log-prob (nothing predicts it) and the
 logits of the last position predict nothing inside the sequence.
 
 ``chunked_token_logprobs`` computes the same values from the final hidden
-state and the lm_head weight, a chunk of tokens at a time under
-``torch.utils.checkpoint``: no (B, T, V) logits tensor is alive at once, in
-forward or backward; each chunk's logits are recomputed in backward.
+state and the lm_head weight, a chunk of tokens at a time: no (B, T, V)
+logits tensor is alive at once in forward. Under ``torch.utils.checkpoint``
+(the default) each chunk's logits are recomputed in backward, as fused
+log-prob kernels do; without it, each chunk's logits are a recovery unit of
+their own that a planner may store, compress or recompute.
 """
 
 from __future__ import annotations
@@ -60,7 +62,12 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Te
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, input_ids: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    chunk_tokens: int,
+    *,
+    checkpoint_chunks: bool = True,
 ) -> torch.Tensor:
     """``token_logprobs(hidden @ lm_head_weight.T, input_ids)``, ``chunk_tokens`` tokens at a time.
 
@@ -70,6 +77,10 @@ def chunked_token_logprobs(
         input_ids: (B, T) the tokens that produced ``hidden``.
         chunk_tokens: tokens per chunk (of the B * (T - 1) predicting
             positions); the last chunk may be shorter.
+        checkpoint_chunks: run each chunk under checkpoint (its logits always
+            recomputed in backward). False leaves the chunks as plain ops, so
+            that the hilore backend decides per chunk whether backward gets
+            its logits stored, compressed or recomputed.
 
     Returns:
         (B, T-1) in at least fp32, equal to the unchunked log-probs up to
@@ -89,8 +100,11 @@ def chunked_token_logprobs(
     B, T, C = hidden.shape
     pred = hidden[:, :-1].reshape(B * (T - 1), C)  # (N, C): row b*(T-1)+t predicts token t+1 of b
     target = input_ids[:, 1:].reshape(B * (T - 1))  # (N,)
-    parts = [checkpoint(_chunk_logprobs, h, lm_head_weight, y, use_reentrant=False)
-             for h, y in zip(pred.split(chunk_tokens), target.split(chunk_tokens))]
+    chunks = zip(pred.split(chunk_tokens), target.split(chunk_tokens))
+    if checkpoint_chunks:
+        parts = [checkpoint(_chunk_logprobs, h, lm_head_weight, y, use_reentrant=False) for h, y in chunks]
+    else:
+        parts = [_chunk_logprobs(h, lm_head_weight, y) for h, y in chunks]
     return torch.cat(parts).view(B, T - 1)  # (B, T-1)
 
 

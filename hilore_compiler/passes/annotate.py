@@ -10,6 +10,8 @@ and at every shape.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import operator
 import re
 from collections import defaultdict
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from ..vocabulary import READ_PAST_UNITS
 
 #: node.meta key holding the recovery unit key of a saved node.
 UNIT_META = "hilore_unit"
@@ -45,6 +49,10 @@ class UnitNodes:
     frontier: tuple[fx.Node, ...]
     recomputable: bool
     not_recomputable_reason: str | None
+    #: Key of the first unit made after the last forward op whose backward
+    #: reads this unit (``READ_PAST_UNITS`` when none is): backward needs it
+    #: from that unit's cut down to its own (``solver.memory.Segment``).
+    read_until: str = READ_PAST_UNITS
 
 
 #: Dynamo's name of the root object a module path starts from: a local or
@@ -251,7 +259,41 @@ def annotate_units(joint: fx.GraphModule, saved_names: set[str], prefix: str = "
             not_recomputable_reason=reason,
         ))
     _check_unique(units)
-    return units
+    return _with_read_until(units, order)
+
+
+def _with_read_until(units: list[UnitNodes], order: dict[fx.Node, int]) -> list[UnitNodes]:
+    """Set each unit's ``read_until``: the first unit made after the last forward
+    op whose backward reads the unit, directly or through values forward
+    derives from it without passing another unit (backward rebuilds those
+    from the unit).
+
+    Which units' recomputation reads a unit (``frontier``) is not when
+    backward needs it: recomputing a loss statistic reads every log-prob
+    chunk's logits through ops nobody saves, while backward needs each
+    chunk's logits only for that chunk's own gradient.
+    """
+    made = sorted((max(order[n] for n in u.saved), u.key) for u in units)
+    positions = [p for p, _ in made]
+    saved = {n for u in units for n in u.saved}
+    result = []
+    for u in units:
+        own = max(order[n] for n in u.saved)
+        last = own + 1  # at least the next unit's cut: the unit's own op may read it
+        todo = [*u.saved, storage_root(u.saved[0])]
+        seen = set(todo)
+        while todo:
+            node = todo.pop()
+            forward_users = [x for x in node.users if not is_backward(x) and x.op != "output"]
+            if any(is_backward(x) for x in node.users):  # backward reads it: at its readers' backward
+                last = max([last, order[node], *(order[x] for x in forward_users)])
+            for x in forward_users:
+                if x not in seen and x not in saved:
+                    seen.add(x)
+                    todo.append(x)
+        i = bisect.bisect_left(positions, last)
+        result.append(dataclasses.replace(u, read_until=made[i][1] if i < len(made) else READ_PAST_UNITS))
+    return result
 
 
 def distinct_storage(nodes: Iterable[fx.Node]) -> list[fx.Node]:

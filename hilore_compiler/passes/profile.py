@@ -255,5 +255,5 @@ def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: Profi
         recompute_from=frontier_keys(unit), recompute_transient=format_size(transient),
         recompute_time_s=seconds, recompute_flops=int(flops), recompute_source=source,
         recomputable=unit.recomputable, not_recomputable_reason=unit.not_recomputable_reason,
-        codecs=codecs,
+        codecs=codecs, read_until=unit.read_until,
     )

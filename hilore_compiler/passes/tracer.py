@@ -96,13 +96,15 @@ def output_bytes_expr(joint: fx.GraphModule, symbols) -> sympy.Expr:
     return total_nbytes(tangents, symbols)
 
 
-def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
-    """Bytes of the trained parameters (their gradients' bytes) per backward segment.
+def _trained_parameters(joint: fx.GraphModule, symbols, batch: int,
+                        seq_len: int) -> list[tuple[str, int, int]]:
+    """(backward segment, bytes, forward ops reading it) of each trained parameter.
 
     A parameter belongs to the layer of the first op that reads it: parameter
     placeholders carry no module path of their own. Outside the layer stack,
     parameters read before the first layer (the embedding) form the segment
     ``inputs``: backward makes their gradients last, not with the head's.
+    Readers are counted through views (``weight.t()``).
     """
     order = {n: i for i, n in enumerate(joint.graph.nodes)}
     first_layer = min((order[n] for n in joint.graph.nodes if n.op == "call_function" and not is_backward(n)
@@ -112,19 +114,54 @@ def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: 
     primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     outputs = next(n for n in reversed(joint.graph.nodes) if n.op == "output").args[0]
     grads = list(outputs)[-len(primals):] if primals else []
-    out: dict[str, int] = {}
+    found = []
     for node, grad in zip(primals, grads):
         val = node.meta.get("val")
         if grad is None or not isinstance(val, torch.Tensor):
             continue
         if val.dim() >= 2 and tuple(size_hint(d) for d in val.shape[:2]) == (batch, seq_len):
             continue  # shaped like the batch: an activation input (a block's hidden state), not a weight
-        readers = [u for u in node.users if u.op == "call_function" and not is_backward(u)]
+        readers = sorted(_forward_readers(node), key=order.__getitem__)
         layer = layer_of(module_fqn(readers[0])) if readers else None
         before_layers = layer is None and bool(readers) and order[readers[0]] < first_layer
         segment = "inputs" if before_layers else group_of(layer)
-        nbytes = int(eval_size(nbytes_expr(node, symbols), batch, seq_len))
+        found.append((segment, int(eval_size(nbytes_expr(node, symbols), batch, seq_len)), len(readers)))
+    return found
+
+
+def _forward_readers(node: fx.Node) -> list[fx.Node]:
+    """The forward ops that read ``node``, looking through view ops."""
+    readers = []
+    for user in node.users:
+        if user.op != "call_function" or is_backward(user):
+            continue
+        if isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+            readers += _forward_readers(user)
+        else:
+            readers.append(user)
+    return readers
+
+
+def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
+    """Bytes of the trained parameters (their gradients' bytes) per backward segment."""
+    out: dict[str, int] = {}
+    for segment, nbytes, _ in _trained_parameters(joint, symbols, batch, seq_len):
         out[segment] = out.get(segment, 0) + nbytes
+    return out
+
+
+def partial_grad_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
+    """Per backward segment, the largest parameter that several forward ops read.
+
+    Backward sums such a parameter's gradient from one partial gradient per
+    reader, and each partial is a tensor of the parameter's size alive beside
+    the sum: an lm_head read by every log-prob chunk makes a (V, C) partial
+    per chunk. Segments without one are left out.
+    """
+    out: dict[str, int] = {}
+    for segment, nbytes, readers in _trained_parameters(joint, symbols, batch, seq_len):
+        if readers > 1:
+            out[segment] = max(out.get(segment, 0), nbytes)
     return out
 
 
@@ -203,6 +240,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     units: list[RecoveryUnit] = []
     gc_total, store_total, output_total = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
     param_bytes: dict[str, int] = {}
+    partial_grad_bytes: dict[str, int] = {}
     for capture in captures:
         symbols = shape_symbols(capture.joint.graph)
         prefix = f"g{capture.index}/" if capture.index else ""
@@ -221,6 +259,8 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         output_total += output_bytes_expr(capture.joint, symbols)
         for segment, nbytes in param_bytes_by_segment(capture.joint, symbols, batch, seq_len).items():
             param_bytes[segment] = param_bytes.get(segment, 0) + nbytes
+        for segment, nbytes in partial_grad_bytes_by_segment(capture.joint, symbols, batch, seq_len).items():
+            partial_grad_bytes[segment] = max(partial_grad_bytes.get(segment, 0), nbytes)
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")
@@ -235,6 +275,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),
         notes=config.notes + _value_notes(captures),
         output_bytes=format_size(sympy.expand(output_total)), param_bytes=param_bytes,
+        partial_grad_bytes=partial_grad_bytes,
     )
 
 

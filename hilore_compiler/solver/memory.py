@@ -12,7 +12,8 @@ worst moment of forward and backward. Measured on the bench's GRPO step (CPU,
 - the backward of one segment (a layer, or ``outside``): kept + outputs + the
   gradient of the outputs backward started from + the segment's rebuilt
   units and workspace (``transient`` below) + the gradients backward itself
-  holds there (the widest activation's gradient and the one flowing between
+  holds there (the widest activation's gradient, or the partial gradient of
+  a weight several ops read if larger, and the one flowing between
   layers; a recompute workspace is freed before they are made, so the
   segment holds the larger of the two) + the weights' gradients accumulated
   so far. This is GC's peak.
@@ -113,6 +114,8 @@ class UnitCost:
     recompute_from: tuple[str, ...]
     #: Allowed and usable codecs only, by name.
     codecs: Mapping[str, CodecAtShape]
+    #: The trace's ``read_until`` (None: not recorded; see ``backward_segments``).
+    read_until: str | None = None
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -172,13 +175,14 @@ class Segment:
     Backward walks the units from the last to the first. At cut ``p``
     (1 <= p <= n) it runs the backward of the ops that make unit ``p`` (cut n:
     those after the last unit), which read units before ``p``. So a unit is
-    needed at the cuts between its latest reader and itself (``window``).
+    needed at the cuts between the last one whose backward reads it and
+    itself (``window``).
     """
 
     name: str
     units: tuple[UnitCost, ...]
-    #: Per unit: the last cut that needs it, its latest reader's index (n when
-    #: no unit of the segment reads it: it is read past the segment's units).
+    #: Per unit: the last cut that needs it (n: read past the segment's units;
+    #: see ``backward_segments``).
     needed_until: tuple[int, ...]
     #: Per unit: the indices of the segment's units whose recomputation reads it.
     readers: tuple[tuple[int, ...], ...]
@@ -200,7 +204,15 @@ class Segment:
 
 
 def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
-    """Group ``units`` (in trace order, i.e. forward order) by segment, with their windows."""
+    """Group ``units`` (in trace order, i.e. forward order) by segment, with their windows.
+
+    A unit is needed down from the cut of its ``read_until`` unit (the last
+    cut, ``len(units)``, when that unit is in another segment or made after
+    every unit). Traces that do not record ``read_until`` take the latest unit
+    of the segment whose recomputation reads it instead, which overstates the
+    window when forward derives much from it that nobody saves (every
+    log-prob chunk's logits feed the loss's one saved ratio).
+    """
     grouped = _segments(units)
     segments = []
     for name, us in grouped.items():
@@ -210,7 +222,10 @@ def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
             for key in v.recompute_from:
                 if key in index:
                     readers[index[key]].append(j)
-        needed = tuple(max(r) if r else len(us) for r in readers)
+        needed = tuple(
+            (max(r) if r else len(us)) if u.read_until is None else index.get(u.read_until, len(us))
+            for u, r in zip(us, readers)
+        )
         segments.append(Segment(name=name, units=tuple(us), needed_until=needed,
                                 readers=tuple(tuple(r) for r in readers)))
     return tuple(segments)
@@ -289,7 +304,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
             key=u.key, layer=u.layer, kind=u.kind, bytes=size,
             recompute_transient=_size(u.recompute_transient, batch, seq_len),
             recompute_time_s=u.recompute_time_s * scale, recomputable=u.recomputable,
-            recompute_from=u.recompute_from, codecs=unit_codecs,
+            recompute_from=u.recompute_from, codecs=unit_codecs, read_until=u.read_until,
         ))
     units = tuple(units)
     segments = _segments(units)
@@ -342,7 +357,10 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
         so_far = grads.get("outside", 0)
         if g != "outside":
             so_far += sum(grads.get(group_of(i), 0) for i in layers if i >= us[0].layer)
-        gradient[g] = max(u.bytes for u in us) + flowing
+        # The widest activation's gradient, or a partial gradient of a weight
+        # several ops read (a chunked lm_head's, made from the chunk's logits'
+        # gradient once the rebuilt logits are consumed).
+        gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
         backward[g] = 2 * outputs + gradient[g] + so_far
     end = 2 * outputs + sum(grads.values())
     return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,

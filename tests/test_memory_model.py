@@ -1,0 +1,169 @@
+"""The memory model (solver/memory.py): kept and rebuilt bytes, backward
+windows, the step's terms, and log-prob chunks that backward rebuilds one at
+a time."""
+
+from __future__ import annotations
+
+import math
+
+from hilore_compiler.planfile import RECOMPUTE, STORE
+from hilore_compiler.solver import BucketSpec, cost_model, simulate, solve
+from hilore_compiler.solver.memory import rule_violations
+from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
+from hilore_compiler.tracefile import RecoveryUnit, Trace
+from hilore_compiler.vocabulary import READ_PAST_UNITS
+
+ONE_BUCKET = [BucketSpec("b", 0.0, math.inf, 1.0)]
+RISK = 1e-3
+
+
+def _model(trace: Trace):
+    return cost_model(trace, batch=trace.batch, seq_len=trace.seq_len,
+                      codecs=sorted({c for u in trace.units for c in u.codecs}))
+
+
+def test_memory_model_by_hand():
+    """Kept bytes plus the largest per-layer set of rebuilt units and a workspace."""
+    trace = synthetic_trace(SyntheticConfig(num_layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2,
+                                            vocab=8, batch=1, seq_len=1))
+    model = _model(trace)
+    decisions = {u.key: STORE for u in model.units}
+    gate, up = "model.layers.1.mlp.gate_proj:mm:0", "model.layers.1.mlp.up_proj:mm:0"
+    sdpa = "model.layers.0.self_attn:sdpa:0"
+    decisions.update({gate: RECOMPUTE, up: "compress:int8", sdpa: RECOMPUTE})
+    p = simulate(model, decisions)
+    backward = model.step.backward_bytes  # outputs' gradient, gradient workspace, weight gradients
+    layer1 = model.unit(gate).bytes + model.unit(up).bytes + backward["layer 1"]  # recomputed + decoded copy
+    layer0 = model.unit(sdpa).bytes + model.step.recovering("layer 0", model.unit(sdpa).recompute_transient)
+    assert p.transient_bytes == max(layer0, layer1, model.step.floor())
+    kept = sum(u.bytes for u in model.units) - model.unit(gate).bytes - model.unit(sdpa).bytes \
+        - model.unit(up).bytes + model.unit(up).codecs["int8"].bytes
+    assert p.kept_bytes == kept and p.memory_bytes == kept + p.transient_bytes
+    # A recompute chain across layers is refused: layer 1's input from layer 0's recomputed output.
+    chain = {**decisions, "model.layers.1:add:0": RECOMPUTE, "model.layers.0.mlp.down_proj:mm:0": RECOMPUTE}
+    assert any("another layer" in p for p in rule_violations(model, chain))
+
+
+def test_rebuilt_units_are_freed_as_backward_consumes_them():
+    """A segment holds at once only the rebuilt units whose windows meet
+    (memory.Segment): from their latest reader down to themselves, and a
+    recomputed unit from the moment a recomputed reader needs it."""
+    trace = synthetic_trace(SyntheticConfig(num_layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2,
+                                            vocab=8, batch=1, seq_len=1))
+    model = _model(trace)
+    store_all = {u.key: STORE for u in model.units}
+    q, gate = "model.layers.0.self_attn.q_proj:mm:0", "model.layers.0.mlp.gate_proj:mm:0"
+    norm, up = "model.layers.0.post_attention_layernorm:mul:0", "model.layers.0.mlp.up_proj:mm:0"
+    around = model.step.recovering("layer 0", 0)  # none of these has a recompute workspace
+
+    def transient(**options: str) -> int:
+        return simulate(model, {**store_all, **options}).transient_bytes
+
+    floor = model.step.floor()
+    b = {k: model.unit(k).bytes for k in (q, gate, norm, up)}
+    # q is done with in attention's backward, gate is rebuilt for the MLP's: never alive together.
+    assert transient(**{q: RECOMPUTE, gate: RECOMPUTE}) == max(b[gate] + around, floor) < b[q] + b[gate] + around
+    # A decoded copy lives in its window too: q's never meets gate's, up's does (both read by the product).
+    assert transient(**{q: "compress:int8", gate: RECOMPUTE}) == max(b[gate] + around, floor)
+    assert transient(**{up: "compress:int8", gate: RECOMPUTE}) == max(b[gate] + b[up] + around, floor)
+    # Stored, the norm's output leaves gate's rebuild alone; recomputed, it is rebuilt with gate,
+    # before its own window, and both are alive.
+    assert transient(**{gate: RECOMPUTE}) == max(b[gate] + around, floor)
+    assert transient(**{norm: RECOMPUTE}) == max(b[norm] + around, floor)
+    assert transient(**{gate: RECOMPUTE, norm: RECOMPUTE}) == max(b[gate] + b[norm] + around, floor)
+    # The ILP prices the same windows: its least memory is the simulated one.
+    for plan in ({q: RECOMPUTE, gate: RECOMPUTE}, {gate: RECOMPUTE, norm: RECOMPUTE}):
+        decisions = {**store_all, **plan}
+        budget = simulate(model, decisions).memory_bytes
+        got = solve(trace, budget, risk_budget=RISK, buckets=ONE_BUCKET, codecs=[])
+        assert got.bucket("b").memory_bytes <= budget
+
+
+def test_step_peak_counts_outputs_loss_and_weight_gradients():
+    """The step's peak (memory.py): kept + the worse of the loss phase and each segment's backward."""
+    import dataclasses
+
+    base = synthetic_trace(SyntheticConfig(num_layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2,
+                                           vocab=8, batch=1, seq_len=4))
+    trace = dataclasses.replace(base, output_bytes="B*S*32", param_bytes={"outside": 100, "layer 0": 10,
+                                                                           "layer 1": 20})
+    codecs = sorted({c for u in trace.units for c in u.codecs})
+    bare = cost_model(base, batch=1, seq_len=4, codecs=codecs)
+    model = cost_model(trace, batch=1, seq_len=4, codecs=codecs, loss_ratio=3.0)
+    step = model.step
+    assert step.output_bytes == 128 and step.loss_bytes == 384
+    # Backward meets outside first, then layer 1, then layer 0: weight gradients so far grow.
+    grads = {"outside": 100, "layer 1": 120, "layer 0": 130}
+    for g, extra in grads.items():
+        assert step.backward_bytes[g] == bare.step.backward_bytes[g] + 2 * 128 + extra
+    store_all = {u.key: STORE for u in model.units}
+    kept = sum(u.bytes for u in model.units)
+    assert simulate(model, store_all).memory_bytes == kept + step.floor() == model.store_bytes
+    assert model.gc_bytes > bare.gc_bytes and model.store_bytes > bare.store_bytes
+    # A plan that recomputes a unit pays its segment's backward terms on top of the rebuilt bytes.
+    unit = next(u for u in model.units if u.recomputable and u.layer == 1)
+    one = {**store_all, unit.key: RECOMPUTE}
+    # Its recompute workspace and the segment's gradient workspace are never alive together.
+    held = unit.bytes + step.recovering("layer 1", unit.recompute_transient)
+    assert held == unit.bytes + step.backward_bytes["layer 1"] - step.gradient_bytes["layer 1"] \
+        + max(unit.recompute_transient, step.gradient_bytes["layer 1"])
+    assert simulate(model, one).memory_bytes == kept - unit.bytes + max(held, step.floor())
+
+
+CHUNK, CHUNKS = 4000, 3
+
+
+def _chunked_loss_trace(*, read_until: bool, partial_grad: int = 0) -> Trace:
+    """The head of a whole step with log-probs in chunks (``grpo.compiled_step``,
+    ``checkpoint_chunks=False``): the final norm, one logits unit per chunk,
+    and the loss's saved ratio, whose recomputation reads every chunk."""
+
+    def unit(key: str, nbytes: int, recompute_from: tuple[str, ...], until: str) -> RecoveryUnit:
+        return RecoveryUnit(
+            key=key, layer=None, kind=key.split(":")[0], op="op", dtype="float32", bytes=str(nbytes),
+            bytes_at_trace=nbytes, recompute_from=recompute_from, recompute_transient="0",
+            recompute_time_s=1e-3, recompute_flops=0, recompute_source="test",
+            read_until=until if read_until else None)
+
+    chunks = [f"mm:{k}" for k in range(CHUNKS)]
+    units = [unit("norm:0", 100, (), chunks[0])]
+    units += [unit(c, CHUNK, ("norm:0",), nxt) for c, nxt in zip(chunks, [*chunks[1:], "exp:0"])]
+    units.append(unit("exp:0", 10, tuple(chunks), READ_PAST_UNITS))
+    return Trace(fingerprint="chunks", model="chunks", batch=1, seq_len=1, device="none", cost_source="test",
+                 units=tuple(units), gc_bytes="200", store_bytes=str(100 + CHUNKS * CHUNK + 10), num_layers=0,
+                 param_bytes={"outside": 50_000}, partial_grad_bytes={"outside": partial_grad} if partial_grad else {})
+
+
+def test_log_prob_chunks_are_rebuilt_one_at_a_time():
+    """Backward needs a chunk's logits only for that chunk's gradient
+    (``read_until``: the next unit), although recomputing the loss's ratio
+    reads them all; without ``read_until`` (older traces) the model holds
+    every recomputed chunk at once."""
+    recompute = {f"mm:{k}": RECOMPUTE for k in range(CHUNKS)}
+    held = {}
+    for read_until in (True, False):
+        model = _model(_chunked_loss_trace(read_until=read_until))
+        decisions = {**{u.key: STORE for u in model.units}, **recompute}
+        around = model.step.recovering("outside", 0)
+        held[read_until] = simulate(model, decisions).transient_bytes - around
+        # The ILP prices the same windows: the simulated memory is feasible for it.
+        budget = simulate(model, decisions).memory_bytes
+        got = solve(_chunked_loss_trace(read_until=read_until), budget, risk_budget=RISK,
+                    buckets=ONE_BUCKET, codecs=[])
+        assert got.bucket("b").memory_bytes <= budget
+    assert held == {True: CHUNK, False: CHUNKS * CHUNK}
+
+
+def test_a_weight_read_by_several_chunks_holds_a_partial_gradient():
+    """An lm_head read by every chunk: backward sums its gradient from one
+    partial per chunk, a weight-sized tensor beside the sum (measured on the
+    small-v128k step: GC + chunked log-probs peaks when the 131 MB partial is
+    made); the segment's gradient workspace is then the partial, not the
+    widest activation's gradient."""
+    plain = _model(_chunked_loss_trace(read_until=True))
+    shared = _model(_chunked_loss_trace(read_until=True, partial_grad=20_000))
+    small = _model(_chunked_loss_trace(read_until=True, partial_grad=10))
+    widest = plain.step.gradient_bytes["outside"]
+    assert shared.step.gradient_bytes["outside"] == widest - CHUNK + 20_000
+    assert small.step.gradient_bytes == plain.step.gradient_bytes  # smaller than a chunk: no change
+    assert shared.step.backward_bytes["outside"] - plain.step.backward_bytes["outside"] == 20_000 - CHUNK

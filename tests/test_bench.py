@@ -313,6 +313,22 @@ def test_report_pairs_rounds_and_marks_fitting_methods():
     assert payload["targets"][1]["interval"] == pytest.approx([h.low, h.high])
 
 
+def test_whole_step_targets_pair_rounds_against_gc_chunked():
+    config = BenchConfig(model="tiny", batch=2, seq_len=128, methods=("gc-chunked", "hilore-step"))
+    runs = (_rounds_run("gc-chunked", 1.25, 340), _rounds_run("hilore-step", 1.1, 337, cosine=0.99997))
+    report = summarise(BenchRun(config=config, device="cpu", runs=runs, budget_search=None, run_dir=None))
+    step = {t.name: t for t in report.targets if "whole step" in t.name}
+    peak, speed, cosine = (step[f"HiLoRe whole step {k}"] for k in
+                           ("peak / GC + chunked peak", "speed / GC + chunked speed", "gradient cosine"))
+    assert peak.met is True and peak.value == pytest.approx(337 / 340)
+    assert speed.met is True and speed.value == pytest.approx(1.25 / 1.1, rel=0.02)
+    assert speed.interval is not None and speed.lower_bound_above_1 is True
+    assert cosine.met is True and cosine.value == pytest.approx(0.99997)
+    slow = (_rounds_run("gc-chunked", 1.0, 340), _rounds_run("hilore-step", 1.1, 380, cosine=0.998))
+    report = summarise(BenchRun(config=config, device="cpu", runs=slow, budget_search=None, run_dir=None))
+    assert [t.met for t in report.targets if "whole step" in t.name] == [False, False, False]
+
+
 def test_report_table_and_json():
     report = _report()
     table = format_table(report)
@@ -357,6 +373,15 @@ def test_cli_actor_update_codecs_default_to_bf16_int8_and_take_int4():
     assert actor_config_from_args(parse(["bench", "--actor-update"])).codecs == ("bf16", "int8")
     config = actor_config_from_args(parse(["bench", "--actor-update", "--codecs", "bf16, int8,int4"]))
     assert config.codecs == ("bf16", "int8", "int4")
+
+
+def test_cli_codecs_apply_to_hilore_and_none_means_exact():
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["bench"])).hilore_codecs == ("bf16", "int8")
+    assert config_from_args(parse(["bench", "--codecs", "int8"])).hilore_codecs == ("int8",)
+    assert config_from_args(parse(["bench", "--codecs", "none"])).hilore_codecs == ()
+    with pytest.raises(ValueError, match="unknown codec"):
+        config_from_args(parse(["bench", "--codecs", "int3"]))
 
 
 # --- one real run ----------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..codecs import codec_names
 from .measure import MMAP_THRESHOLD_ENV, StepSample, gradient_fidelity
 from .methods import DEFAULT_METHODS, METHODS, MethodOptions
 from .search import BudgetSearch, search_budget
@@ -69,6 +70,8 @@ class BenchConfig:
     threads: int | None = None
     #: HiLoRe's memory budget.
     hilore_budget: str = "1.10x-gc"
+    #: Codecs HiLoRe's plans may use (empty: store and recompute only, exact gradients).
+    hilore_codecs: tuple[str, ...] = ("bf16", "int8")
     #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
     pt_budget: float | None = None
     #: Budgets the pt-budget search tries (``search.grid``), one process (compile) each.
@@ -93,6 +96,10 @@ class BenchConfig:
             raise ValueError(f"pt_budget must be in [0, 1], got {self.pt_budget}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        unknown_codecs = [c for c in self.hilore_codecs if c not in codec_names()]
+        if unknown_codecs:
+            raise ValueError(f"unknown codec(s) {unknown_codecs}; choose from {', '.join(codec_names())} "
+                             "or none")
 
 
 #: ``--quick``: the whole pipeline on the tiny policy in a few minutes of compiling.
@@ -229,7 +236,7 @@ class Launcher:
         """Spawn ``method``'s worker, compile and warm it up; a failure is recorded, not raised."""
         name = method + tag
         grad_path = str(self.run_dir / f"grad-{name}.pt")
-        options = MethodOptions(hilore_budget=self.config.hilore_budget,
+        options = MethodOptions(hilore_budget=self.config.hilore_budget, hilore_codecs=self.config.hilore_codecs,
                                 hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
                                 gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")))
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,

@@ -60,8 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--model, --seq-len, --repeats, --threads, --hilore-budget apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
-    p.add_argument("--codecs", help="--actor-update's codecs, comma-separated (default bf16,int8; "
-                                    "int4 is the lossy opt-in)")
+    p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
+                                    "recompute only (default bf16,int8; int4 is the lossy opt-in)")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
@@ -69,6 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "and HiLoRe compiled per block; --batch is then per rank "
                         "(see hilore_compiler/bench/distributed.py)")
     p.set_defaults(run=run)
+
+
+def codec_list(text: str) -> tuple[str, ...]:
+    """``--codecs``: comma-separated names; ``none`` for no codec at all."""
+    return () if text.strip().lower() == "none" else comma_list(text)
 
 
 def actor_config_from_args(args: argparse.Namespace):
@@ -80,7 +85,7 @@ def actor_config_from_args(args: argparse.Namespace):
              "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round"}
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
     if getattr(args, "codecs", None):
-        values["codecs"] = comma_list(args.codecs)
+        values["codecs"] = codec_list(args.codecs)
     return ActorBenchConfig(**values)
 
 
@@ -111,6 +116,8 @@ def config_from_args(args: argparse.Namespace):
             values[f.name] = given
     if args.methods:
         values["methods"] = comma_list(args.methods)
+    if getattr(args, "codecs", None):
+        values["hilore_codecs"] = codec_list(args.codecs)
     return BenchConfig(**values)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,15 @@ class BucketPlan:
     sample_share: float | None = None
     mass_share: float | None = None
     error_share: float | None = None
+    #: Where the predicted peak falls (``"backward of outside"``, ``"loss"``,
+    #: ``"end of backward"``) and its parts besides kept bytes, which add up
+    #: to ``transient_bytes`` (``PEAK_PARTS``); None / empty: not recorded.
+    peak_at: str | None = None
+    peak_parts: Mapping[str, int] = field(default_factory=dict)
+
+
+#: The parts of a bucket's ``transient_bytes`` at its peak (``solver.memory.PeakParts``).
+PEAK_PARTS = ("rebuilt", "workspace", "weight_gradients", "outputs")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,6 +212,7 @@ def _bucket_json(b: BucketPlan) -> dict[str, Any]:
             "transient_bytes": b.transient_bytes,
             "time_s": b.time_s,
             "risk": b.risk,
+            **({"peak_at": b.peak_at, "peak_parts": dict(b.peak_parts)} if b.peak_at is not None else {}),
         },
         "proxy_sensitivity": b.proxy_sensitivity,
         "mix": {"sample_share": b.sample_share, "mass_share": b.mass_share, "error_share": b.error_share},
@@ -307,7 +318,17 @@ def _bucket_from_json(obj: Any, units: dict[str, PlanUnit], where: str) -> Bucke
         solver=_solver_from_json(obj.get("solver"), where),
         notes=tuple(require(obj, "notes", list, where)),
         **_mix_from_json(obj.get("mix"), where),
+        **_peak_from_json(predicted, at),
     )
+
+
+def _peak_from_json(predicted: dict[str, Any], at: str) -> dict[str, Any]:
+    """The optional ``peak_at`` / ``peak_parts`` (older plans have neither)."""
+    if predicted.get("peak_at") is None:
+        return {}
+    parts = require(predicted, "peak_parts", dict, at)
+    return {"peak_at": require(predicted, "peak_at", str, at),
+            "peak_parts": {name: require(parts, name, int, f"{at}.peak_parts") for name in PEAK_PARTS}}
 
 
 def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:

@@ -156,6 +156,11 @@ def _plan_bucket(b: Any, at: str) -> list[str]:
         problems.append(f"{at}.hi: expected a number >= lo ({spec.lo!r}) or null, found {spec.hi!r}")
     for field in ("memory_bytes", "kept_bytes", "transient_bytes"):
         problems += _number(getattr(b, field), f"{at}.predicted.{field}", integer=True)
+    for name, value in getattr(b, "peak_parts", {}).items():
+        problems += _number(value, f"{at}.predicted.peak_parts.{name}", integer=True)
+    if getattr(b, "peak_parts", None) and sum(b.peak_parts.values()) != b.transient_bytes:
+        problems.append(f"{at}.predicted.peak_parts: add up to {sum(b.peak_parts.values())}, not "
+                        f"transient_bytes {b.transient_bytes}")
     problems += _number(b.time_s, f"{at}.predicted.time_s") + _number(b.risk, f"{at}.predicted.risk")
     problems += _strings(b.notes, f"{at}.notes")
     for field in ("sample_share", "mass_share", "error_share"):  # the exposure mix; None when not recorded

@@ -152,6 +152,15 @@ def test_log_prob_chunks_are_rebuilt_one_at_a_time():
                     buckets=ONE_BUCKET, codecs=[])
         assert got.bucket("b").memory_bytes <= budget
     assert held == {True: CHUNK, False: CHUNKS * CHUNK}
+    # Where the peak falls: one chunk's backward, with one chunk rebuilt.
+    model = _model(_chunked_loss_trace(read_until=True))
+    peak = simulate(model, {**{u.key: STORE for u in model.units}, **recompute}).peak
+    assert (peak.at, peak.rebuilt) == ("backward of outside", CHUNK)
+    assert peak.workspace == model.step.gradient_bytes["outside"]
+    assert peak.weight_gradients == 50_000 and peak.total == held[True] + model.step.recovering("outside", 0)
+    stored = simulate(model, {u.key: STORE for u in model.units})
+    assert (stored.peak.at, stored.peak.rebuilt) == ("backward of outside", 0)
+    assert stored.transient_bytes == model.step.floor()
 
 
 def test_a_weight_read_by_several_chunks_holds_a_partial_gradient():

@@ -49,6 +49,9 @@ def test_record_contents(plan):
     assert set(decisions.values()) <= {"store", "recompute", "compress:bf16", "compress:int8", "compress:fp8"}
     b1 = plan.bucket("b1")
     assert b1.memory_bytes == b1.kept_bytes + b1.transient_bytes <= plan.budget_bytes
+    # Where the peak falls, and its parts, which make up the transient bytes.
+    assert b1.peak_at in ("loss", "end of backward") or b1.peak_at.startswith("backward of ")
+    assert sum(b1.peak_parts.values()) == b1.transient_bytes
     assert b1.solver.status in ("optimal", "feasible") and b1.solver.seconds > 0
     with pytest.raises(KeyError, match="no bucket 'b9'"):
         plan.decisions("b9")
@@ -103,6 +106,8 @@ def _broken(plan: Plan, tmp_path, edit) -> str:
     (lambda p: p["buckets"][2].update(name="b0"), "not unique"),
     (lambda p: p["buckets"][1].update(hi="inf"), r"hi: expected a number or null"),
     (lambda p: p["units"][0]["options"].update({"gzip": {"bytes": 1, "time_s": 0.0}}), "'gzip' is not store"),
+    (lambda p: p["buckets"][1]["predicted"]["peak_parts"].update(outputs=10**12), r"peak_parts: add up to"),
+    (lambda p: p["buckets"][1]["predicted"]["peak_parts"].pop("rebuilt"), r"peak_parts: missing field 'rebuilt'"),
 ])
 def test_invalid_plan_names_what_is_wrong(plan, tmp_path, edit, message):
     with pytest.raises(FormatError, match=message):

@@ -16,7 +16,17 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..jsonio import FormatError, check_output_path, read_object
-from ..planfile import COMPRESS_PREFIX, PLAN_SCHEMA, RECOMPUTE, STORE, BucketSpec, Plan, PlanUnit, plan_from_json
+from ..planfile import (
+    COMPRESS_PREFIX,
+    PEAK_PARTS,
+    PLAN_SCHEMA,
+    RECOMPUTE,
+    STORE,
+    BucketSpec,
+    Plan,
+    PlanUnit,
+    plan_from_json,
+)
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
 from ..solver.pareto import DEFAULT_POINTS
@@ -130,6 +140,8 @@ def render_plan(plan: Plan) -> str:
                format_bytes(b.memory_bytes), _ratio(b.memory_bytes, plan.gc_bytes),
                _ratio(b.memory_bytes, plan.store_bytes), format_seconds(b.time_s)]
               for b in plan.buckets if not b.skip]
+    peaks = [[b.bucket.name, b.peak_at, *(format_bytes(b.peak_parts[n]) for n in PEAK_PARTS)]
+             for b in plan.buckets if not b.skip and b.peak_at is not None]
     notes = sorted({n for b in plan.buckets for n in b.notes})
     return "\n".join([
         *head, "", "== buckets",
@@ -140,6 +152,8 @@ def render_plan(plan: Plan) -> str:
         "== per kind", _grouped(plan, lambda u: u.kind), "",
         "== totals against GC and store-all",
         table(["bucket", "kept", "transient", "memory", "vs GC", "vs store-all", "recovery"], totals),
+        *(["", "== where the peak falls (transient = rebuilt + workspace + weight gradients + outputs)",
+           table(["bucket", "at", "rebuilt", "workspace", "weight grads", "outputs"], peaks)] if peaks else []),
     ])
 
 

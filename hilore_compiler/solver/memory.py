@@ -157,6 +157,9 @@ class StepTerms:
     #: The end of backward: outputs and their gradient, every weight's
     #: gradient (the embedding's, made last, included).
     end_bytes: int = 0
+    #: Per segment: the weights' gradients inside ``backward_bytes`` (its own
+    #: and those of every segment backward meets before it).
+    weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def recovering(self, segment: str, workspace: int) -> int:
         """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
@@ -166,6 +169,44 @@ class StepTerms:
     def floor(self) -> int:
         """The least the step adds to kept bytes, whatever is rebuilt."""
         return max([self.output_bytes + self.loss_bytes, self.end_bytes, *self.backward_bytes.values()])
+
+    def phases(self) -> list[PeakParts]:
+        """What the step holds besides kept bytes in each phase with nothing rebuilt (``floor``'s parts)."""
+        return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes),
+                PeakParts(at="end of backward", outputs=2 * self.output_bytes,
+                          weight_gradients=self.end_bytes - 2 * self.output_bytes),
+                *(self.segment(g) for g in self.backward_bytes)]
+
+    def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0) -> PeakParts:
+        """What the backward of ``segment`` holds besides kept bytes, with
+        ``rebuilt`` bytes of units and a recompute ``workspace`` alive."""
+        gradient = self.gradient_bytes.get(segment, 0)
+        weights = self.weight_gradient_bytes.get(segment, 0)
+        outputs = self.backward_bytes.get(segment, 0) - gradient - weights
+        return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt, workspace=max(workspace, gradient),
+                         weight_gradients=weights, outputs=outputs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeakParts:
+    """Where a plan's predicted peak falls, and what is alive there besides kept bytes."""
+
+    #: ``"loss"``, ``"end of backward"`` or ``"backward of <segment>"``.
+    at: str
+    #: Recomputed or decoded units alive there.
+    rebuilt: int = 0
+    #: The larger of the recompute workspace and the gradient workspace (the
+    #: widest activation's gradient or a weight's partial gradient, and the
+    #: gradient flowing between layers).
+    workspace: int = 0
+    #: The weights' gradients made so far.
+    weight_gradients: int = 0
+    #: The graph's outputs and their gradient, or the outputs and the loss's own peak.
+    outputs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.rebuilt + self.workspace + self.weight_gradients + self.outputs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -352,6 +393,7 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
     layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
     backward: dict[str, int] = {}
     gradient: dict[str, int] = {}
+    weights: dict[str, int] = {}
     for g, us in segments.items():
         # Backward meets the head (outside) first, then the layers from the last one.
         so_far = grads.get("outside", 0)
@@ -361,10 +403,11 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
         # several ops read (a chunked lm_head's, made from the chunk's logits'
         # gradient once the rebuilt logits are consumed).
         gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
+        weights[g] = so_far
         backward[g] = 2 * outputs + gradient[g] + so_far
     end = 2 * outputs + sum(grads.values())
     return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
-                     gradient_bytes=gradient, end_bytes=end)
+                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights)
 
 
 def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
@@ -387,13 +430,15 @@ class Prediction:
     kept_bytes: int
     transient_bytes: int
     time_s: float
+    #: Where the peak falls and its parts besides kept bytes (``transient_bytes`` in all).
+    peak: PeakParts | None = None
 
 
-def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:
-    """The most bytes the step holds at once besides kept ones (module docstring):
-    the loss's peak, or, at some cut of a segment, the units rebuilt there +
-    the segment's workspace + its backward terms."""
-    worst = model.step.floor()
+def peak_parts(model: CostModel, decisions: Mapping[str, str]) -> PeakParts:
+    """The moment the step holds the most besides kept bytes (module docstring):
+    the loss, the end of backward, or some cut of a segment with the units
+    rebuilt there, the segment's workspace and its backward terms."""
+    worst = max(model.step.phases(), key=lambda p: p.total)
     for segment in model.segments:
         rebuilt = [i for i, u in enumerate(segment.units) if decisions[u.key] != STORE]
         if not rebuilt:
@@ -401,11 +446,17 @@ def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:
         first = rebuilt_from(segment, decisions)
         workspace = max((u.recompute_transient for u in segment.units if decisions[u.key] == RECOMPUTE),
                         default=0)
-        around = model.step.recovering(segment.name, workspace)
         for cut in segment.peak_cuts:
             alive = sum(segment.units[i].bytes for i in rebuilt if i < cut <= first[i])
-            worst = max(worst, alive + around)
+            parts = model.step.segment(segment.name, rebuilt=alive, workspace=workspace)
+            if parts.total > worst.total:
+                worst = parts
     return worst
+
+
+def recovery_transient(model: CostModel, decisions: Mapping[str, str]) -> int:
+    """The most bytes the step holds at once besides kept ones (``peak_parts``)."""
+    return peak_parts(model, decisions).total
 
 
 def simulate(model: CostModel, decisions: Mapping[str, str]) -> Prediction:
@@ -414,10 +465,10 @@ def simulate(model: CostModel, decisions: Mapping[str, str]) -> Prediction:
     if problems:
         raise ValueError("plan breaks the model's rules: " + "; ".join(problems[:5]))
     kept = sum(u.kept_bytes(decisions[u.key]) for u in model.units)
-    transient = recovery_transient(model, decisions)
+    peak = peak_parts(model, decisions)
     time_s = sum(u.time_s(decisions[u.key]) for u in model.units)
-    return Prediction(memory_bytes=kept + transient, kept_bytes=kept,
-                      transient_bytes=transient, time_s=time_s)
+    return Prediction(memory_bytes=kept + peak.total, kept_bytes=kept,
+                      transient_bytes=peak.total, time_s=time_s, peak=peak)
 
 
 def rule_violations(model: CostModel, decisions: Mapping[str, str]) -> list[str]:

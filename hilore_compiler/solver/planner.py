@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..planfile import BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
+from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
 from ..tracefile import Trace, load_trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import format_bytes, format_seconds, parse_budget
@@ -196,7 +196,8 @@ def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, st
         transient_bytes=prediction.transient_bytes, time_s=prediction.time_s,
         risk=plan_risk(model, decisions, share.error), proxy_sensitivity=proxy,
         notes=(*notes, *proxy_notes), solver=solver, sample_share=share.samples, mass_share=share.mass,
-        error_share=share.error,
+        error_share=share.error, peak_at=prediction.peak.at,
+        peak_parts={name: getattr(prediction.peak, name) for name in PEAK_PARTS},
     )
 
 

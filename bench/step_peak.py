@@ -12,7 +12,7 @@ For each it prints the measured peak twice, as the bench measures it (VmHWM
 over the step) and as the allocator counts it (``torch.profiler``), the
 allocations of 10 MB or more in order with the running total (the peak
 marked), and for HiLoRe the plan's predicted peak and its parts
-(``memory.PeakParts``). Run from the repository root (about 3 minutes):
+(``solver.stepterms.PeakParts``). Run from the repository root (about 3 minutes):
 
     python3 bench/step_peak.py [--codecs bf16,int8]
 """

@@ -117,7 +117,7 @@ class BucketPlan:
     peak_parts: Mapping[str, int] = field(default_factory=dict)
 
 
-#: The parts of a bucket's ``transient_bytes`` at its peak (``solver.memory.PeakParts``).
+#: The parts of a bucket's ``transient_bytes`` at its peak (``solver.stepterms.PeakParts``).
 PEAK_PARTS = ("rebuilt", "workspace", "weight_gradients", "outputs")
 
 

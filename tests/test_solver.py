@@ -23,7 +23,8 @@ from hilore_compiler.solver import (
     solve,
 )
 from hilore_compiler.solver.budget import format_bytes
-from hilore_compiler.solver.memory import plan_risk, rule_violations
+from hilore_compiler.solver.memory import rule_violations
+from hilore_compiler.solver.risk import plan_risk
 from hilore_compiler.solver.planner import verify, verify_risk
 from hilore_compiler.solver.ilp import BucketWeight
 from hilore_compiler.solver.risk import PROXY_FACTOR, bucket_specs, cosine_to_error2, parse_risk_budget

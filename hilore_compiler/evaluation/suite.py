@@ -103,7 +103,8 @@ def auto_risk_budget(trace: Trace, config: EvalConfig) -> float:
     """
     from ..solver import bucket_shares, default_buckets, default_exposure_mix
     from ..solver.fixed import uniform_codec
-    from ..solver.memory import cost_model, plan_risk
+    from ..solver.memory import cost_model
+    from ..solver.risk import plan_risk
 
     model = cost_model(trace, batch=config.microbatch, seq_len=config.task.seq_len, codecs=arms_mod.CODECS)
     decide = uniform_codec("int8")

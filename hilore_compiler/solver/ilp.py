@@ -47,7 +47,8 @@ from pathlib import Path
 import pulp
 
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
-from .memory import CostModel, Segment, plan_risk
+from .memory import CostModel, Segment
+from .risk import plan_risk
 
 #: Memory and time enter the ILP in thousandths of a reference (see
 #: ``_Formulation.byte_unit``), so coefficients are ~1e-3..1e3 on any model.

@@ -18,7 +18,7 @@ worst moment of forward and backward. Measured on the bench's GRPO step (CPU,
   segment holds the larger of the two) + the weights' gradients accumulated
   so far. This is GC's peak.
 
-So, with ``StepTerms`` (``step_terms``) giving the parts the trace's units do not:
+So, with ``StepTerms`` (``stepterms.py``) giving the parts the trace's units do not:
 
     peak = kept + max(outputs + loss,
                       max over segments g of transient(g) + step(g))
@@ -80,13 +80,13 @@ attention's quadratic part, which this underestimates for longer sequences).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..tracefile import Trace, eval_size, parse_size
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, codec_of, group_of
+from ..tracefile import Trace
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
 from .risk import sensitivity
+from .stepterms import PeakParts, StepTerms, gc_worst, size_at, step_terms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,77 +136,6 @@ class UnitCost:
         if option == RECOMPUTE:
             return self.recompute_time_s
         return self.codecs[option.removeprefix(COMPRESS_PREFIX)].time_s
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepTerms:
-    """The step's memory besides the trace's activations, at the planned shape (module docstring)."""
-
-    #: The graph's outputs, which the caller holds until backward is done.
-    output_bytes: int = 0
-    #: The loss's own peak beyond the outputs (0: the loss is not known).
-    loss_bytes: int = 0
-    #: Per segment (``group_of``): what backward holds there besides kept and
-    #: transient bytes: outputs and their gradient, gradient workspace,
-    #: weight gradients so far.
-    backward_bytes: Mapping[str, int] = field(default_factory=dict)
-    #: Per segment: the gradient workspace inside ``backward_bytes``. A
-    #: recompute workspace is freed before backward's gradients of the segment
-    #: are made, so the two never add: the segment holds the larger.
-    gradient_bytes: Mapping[str, int] = field(default_factory=dict)
-    #: The end of backward: outputs and their gradient, every weight's
-    #: gradient (the embedding's, made last, included).
-    end_bytes: int = 0
-    #: Per segment: the weights' gradients inside ``backward_bytes`` (its own
-    #: and those of every segment backward meets before it).
-    weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
-
-    def recovering(self, segment: str, workspace: int) -> int:
-        """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
-        base = self.backward_bytes.get(segment, 0) - self.gradient_bytes.get(segment, 0)
-        return base + max(workspace, self.gradient_bytes.get(segment, 0))
-
-    def floor(self) -> int:
-        """The least the step adds to kept bytes, whatever is rebuilt."""
-        return max([self.output_bytes + self.loss_bytes, self.end_bytes, *self.backward_bytes.values()])
-
-    def phases(self) -> list[PeakParts]:
-        """What the step holds besides kept bytes in each phase with nothing rebuilt (``floor``'s parts)."""
-        return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes),
-                PeakParts(at="end of backward", outputs=2 * self.output_bytes,
-                          weight_gradients=self.end_bytes - 2 * self.output_bytes),
-                *(self.segment(g) for g in self.backward_bytes)]
-
-    def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0) -> PeakParts:
-        """What the backward of ``segment`` holds besides kept bytes, with
-        ``rebuilt`` bytes of units and a recompute ``workspace`` alive."""
-        gradient = self.gradient_bytes.get(segment, 0)
-        weights = self.weight_gradient_bytes.get(segment, 0)
-        outputs = self.backward_bytes.get(segment, 0) - gradient - weights
-        return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt, workspace=max(workspace, gradient),
-                         weight_gradients=weights, outputs=outputs)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeakParts:
-    """Where a plan's predicted peak falls, and what is alive there besides kept bytes."""
-
-    #: ``"loss"``, ``"end of backward"`` or ``"backward of <segment>"``.
-    at: str
-    #: Recomputed or decoded units alive there.
-    rebuilt: int = 0
-    #: The larger of the recompute workspace and the gradient workspace (the
-    #: widest activation's gradient or a weight's partial gradient, and the
-    #: gradient flowing between layers).
-    workspace: int = 0
-    #: The weights' gradients made so far.
-    weight_gradients: int = 0
-    #: The graph's outputs and their gradient, or the outputs and the loss's own peak.
-    outputs: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.rebuilt + self.workspace + self.weight_gradients + self.outputs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,12 +241,6 @@ class CostModel:
         return self.by_key[key]
 
 
-@functools.lru_cache(maxsize=4096)
-def _size(expr: str, batch: int, seq_len: int) -> int:
-    """Evaluate a size expression; cached because a trace repeats few distinct ones."""
-    return eval_size(parse_size(expr), batch, seq_len)
-
-
 def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
                loss_ratio: float = 0.0) -> CostModel:
     """Evaluate ``trace`` at (batch, seq_len), keeping only the allowed codecs.
@@ -328,7 +251,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
     layers = len({u.layer for u in trace.units if u.layer is not None})
     units = []
     for u in trace.units:
-        size = _size(u.bytes, batch, seq_len)
+        size = size_at(u.bytes, batch, seq_len)
         # Seconds scale with bytes (see module docstring); a zero-byte unit keeps its time.
         scale = size / u.bytes_at_trace if u.bytes_at_trace > 0 else 1.0
         unit_codecs = {}
@@ -338,18 +261,18 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
                 continue
             sens, proxy = sensitivity(u, name, layers)
             unit_codecs[name] = CodecAtShape(
-                bytes=_size(cost.bytes, batch, seq_len), time_s=cost.time_s * scale,
+                bytes=size_at(cost.bytes, batch, seq_len), time_s=cost.time_s * scale,
                 sensitivity=sens, proxy=proxy,
             )
         units.append(UnitCost(
             key=u.key, layer=u.layer, kind=u.kind, bytes=size,
-            recompute_transient=_size(u.recompute_transient, batch, seq_len),
+            recompute_transient=size_at(u.recompute_transient, batch, seq_len),
             recompute_time_s=u.recompute_time_s * scale, recomputable=u.recomputable,
             recompute_from=u.recompute_from, codecs=unit_codecs, read_until=u.read_until,
         ))
     units = tuple(units)
     segments = _segments(units)
-    gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, _size(trace.gc_bytes, batch, seq_len))
+    gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, size_at(trace.gc_bytes, batch, seq_len))
     # The gradient flowing between layers has a layer input's size.
     flowing = layer_inputs // max(1, len(gc_rebuilt))
     step = step_terms(trace, segments, batch=batch, seq_len=seq_len, flowing=flowing, loss_ratio=loss_ratio)
@@ -382,44 +305,6 @@ def _gc_parts(segments: Mapping[str, Sequence[UnitCost]],
     workspace = max((u.recompute_transient for us in segments.values() for u in us), default=0)
     inputs = max(0, gc_activations - outside - largest - workspace)
     return inputs + outside, rebuilt, inputs
-
-
-def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batch: int, seq_len: int,
-               flowing: int, loss_ratio: float) -> StepTerms:
-    """The step's terms at (batch, seq_len) (module docstring); ``flowing``: the
-    bytes of the gradient passed between layers."""
-    outputs = _size(trace.output_bytes, batch, seq_len)
-    grads = trace.param_bytes
-    layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
-    backward: dict[str, int] = {}
-    gradient: dict[str, int] = {}
-    weights: dict[str, int] = {}
-    for g, us in segments.items():
-        # Backward meets the head (outside) first, then the layers from the last one.
-        so_far = grads.get("outside", 0)
-        if g != "outside":
-            so_far += sum(grads.get(group_of(i), 0) for i in layers if i >= us[0].layer)
-        # The widest activation's gradient, or a partial gradient of a weight
-        # several ops read (a chunked lm_head's, made from the chunk's logits'
-        # gradient once the rebuilt logits are consumed).
-        gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
-        weights[g] = so_far
-        backward[g] = 2 * outputs + gradient[g] + so_far
-    end = 2 * outputs + sum(grads.values())
-    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
-                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights)
-
-
-def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
-    """What GC's step holds at its worst moment besides its kept bytes: the loss,
-    or a layer's backward with that layer rebuilt (``rebuilt``: ``_gc_parts``).
-
-    The whole layer is alive at once: GC recomputes every unit of it, so each
-    is rebuilt with its recomputed readers, back to the layer's first cut
-    (``rebuilt_from``)."""
-    return max([step.output_bytes + step.loss_bytes,
-                *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
-                *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -489,14 +374,3 @@ def rule_violations(model: CostModel, decisions: Mapping[str, str]) -> list[str]
             elif source == RECOMPUTE and group_of(model.unit(v).layer) != group_of(u.layer):
                 problems.append(f"unit {u.key} is recomputed from {v}, recomputed in another layer")
     return problems
-
-
-def plan_risk(model: CostModel, decisions: Mapping[str, str], error_share: float) -> float:
-    """A bucket's share of the update's squared relative gradient error (``risk.py``):
-    its error share x the sum over compressed units of sensitivity^2."""
-    total = 0.0
-    for u in model.units:
-        codec = codec_of(decisions[u.key])
-        if codec is not None:
-            total += u.codecs[codec].sensitivity ** 2
-    return error_share * total

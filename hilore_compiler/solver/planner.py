@@ -21,7 +21,7 @@ from ..tracefile import Trace, load_trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import format_bytes, format_seconds, parse_budget
 from .ilp import BucketWeight, SolverOptions, check_cbc, solve_min_memory, solve_min_time
-from .memory import CostModel, Prediction, cost_model, plan_risk, rule_violations, simulate
+from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, zero_share
 from .risk import (
     DEFAULT_NUM_BUCKETS,
@@ -32,6 +32,7 @@ from .risk import (
     bucket_specs,
     error2_to_cosine,
     parse_risk_budget,
+    plan_risk,
     zero_bucket,
 )
 

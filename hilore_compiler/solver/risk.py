@@ -52,12 +52,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..planfile import BucketSpec
 from ..tracefile import RecoveryUnit
-from ..vocabulary import ZERO_BUCKET, bucket_name
+from ..vocabulary import ZERO_BUCKET, bucket_name, codec_of
+
+if TYPE_CHECKING:  # memory.py imports this module
+    from .memory import CostModel
 
 #: Target gradient cosine of the whole update against the exact one.
 DEFAULT_TARGET_COSINE = 0.999
@@ -212,3 +216,14 @@ def _check_specs(specs: list[BucketSpec]) -> None:
 def zero_bucket() -> BucketSpec:
     """Exposure exactly 0: no gradient flows, the plan is ``skip``."""
     return BucketSpec(ZERO_BUCKET, 0.0, 0.0, 0.0)
+
+
+def plan_risk(model: CostModel, decisions: Mapping[str, str], error_share: float) -> float:
+    """A bucket's share of the update's squared relative gradient error (``risk.py``):
+    its error share x the sum over compressed units of sensitivity^2."""
+    total = 0.0
+    for u in model.units:
+        codec = codec_of(decisions[u.key])
+        if codec is not None:
+            total += u.codecs[codec].sensitivity ** 2
+    return error_share * total

@@ -1,0 +1,138 @@
+"""The step's memory besides the trace's activations, and where a peak falls.
+
+``memory.py`` models a plan's peak as kept bytes plus the most the step
+holds at once besides them; this module holds the parts the trace's units do
+not: the graph's outputs and the loss's own peak, each backward segment's
+gradient workspace (the widest activation's gradient, or a weight's partial
+gradient, and the gradient flowing between layers) and the weights'
+gradients made so far (``StepTerms``), and the parts of the worst moment
+(``PeakParts``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..tracefile import Trace, eval_size, parse_size
+from ..vocabulary import group_of
+
+if TYPE_CHECKING:
+    from .memory import UnitCost
+
+
+@functools.lru_cache(maxsize=4096)
+def size_at(expr: str, batch: int, seq_len: int) -> int:
+    """A trace's size expression at (batch, seq_len); cached because a trace repeats few distinct ones."""
+    return eval_size(parse_size(expr), batch, seq_len)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTerms:
+    """The step's memory besides the trace's activations, at the planned shape (module docstring)."""
+
+    #: The graph's outputs, which the caller holds until backward is done.
+    output_bytes: int = 0
+    #: The loss's own peak beyond the outputs (0: the loss is not known).
+    loss_bytes: int = 0
+    #: Per segment (``group_of``): what backward holds there besides kept and
+    #: transient bytes: outputs and their gradient, gradient workspace,
+    #: weight gradients so far.
+    backward_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: Per segment: the gradient workspace inside ``backward_bytes``. A
+    #: recompute workspace is freed before backward's gradients of the segment
+    #: are made, so the two never add: the segment holds the larger.
+    gradient_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: The end of backward: outputs and their gradient, every weight's
+    #: gradient (the embedding's, made last, included).
+    end_bytes: int = 0
+    #: Per segment: the weights' gradients inside ``backward_bytes`` (its own
+    #: and those of every segment backward meets before it).
+    weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def recovering(self, segment: str, workspace: int) -> int:
+        """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
+        base = self.backward_bytes.get(segment, 0) - self.gradient_bytes.get(segment, 0)
+        return base + max(workspace, self.gradient_bytes.get(segment, 0))
+
+    def floor(self) -> int:
+        """The least the step adds to kept bytes, whatever is rebuilt."""
+        return max([self.output_bytes + self.loss_bytes, self.end_bytes, *self.backward_bytes.values()])
+
+    def phases(self) -> list[PeakParts]:
+        """What the step holds besides kept bytes in each phase with nothing rebuilt (``floor``'s parts)."""
+        return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes),
+                PeakParts(at="end of backward", outputs=2 * self.output_bytes,
+                          weight_gradients=self.end_bytes - 2 * self.output_bytes),
+                *(self.segment(g) for g in self.backward_bytes)]
+
+    def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0) -> PeakParts:
+        """What the backward of ``segment`` holds besides kept bytes, with
+        ``rebuilt`` bytes of units and a recompute ``workspace`` alive."""
+        gradient = self.gradient_bytes.get(segment, 0)
+        weights = self.weight_gradient_bytes.get(segment, 0)
+        outputs = self.backward_bytes.get(segment, 0) - gradient - weights
+        return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt, workspace=max(workspace, gradient),
+                         weight_gradients=weights, outputs=outputs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeakParts:
+    """Where a plan's predicted peak falls, and what is alive there besides kept bytes."""
+
+    #: ``"loss"``, ``"end of backward"`` or ``"backward of <segment>"``.
+    at: str
+    #: Recomputed or decoded units alive there.
+    rebuilt: int = 0
+    #: The larger of the recompute workspace and the gradient workspace (the
+    #: widest activation's gradient or a weight's partial gradient, and the
+    #: gradient flowing between layers).
+    workspace: int = 0
+    #: The weights' gradients made so far.
+    weight_gradients: int = 0
+    #: The graph's outputs and their gradient, or the outputs and the loss's own peak.
+    outputs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.rebuilt + self.workspace + self.weight_gradients + self.outputs
+
+
+def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batch: int, seq_len: int,
+               flowing: int, loss_ratio: float) -> StepTerms:
+    """The step's terms at (batch, seq_len) (module docstring); ``flowing``: the
+    bytes of the gradient passed between layers."""
+    outputs = size_at(trace.output_bytes, batch, seq_len)
+    grads = trace.param_bytes
+    layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
+    backward: dict[str, int] = {}
+    gradient: dict[str, int] = {}
+    weights: dict[str, int] = {}
+    for g, us in segments.items():
+        # Backward meets the head (outside) first, then the layers from the last one.
+        so_far = grads.get("outside", 0)
+        if g != "outside":
+            so_far += sum(grads.get(group_of(i), 0) for i in layers if i >= us[0].layer)
+        # The widest activation's gradient, or a partial gradient of a weight
+        # several ops read (a chunked lm_head's, made from the chunk's logits'
+        # gradient once the rebuilt logits are consumed).
+        gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
+        weights[g] = so_far
+        backward[g] = 2 * outputs + gradient[g] + so_far
+    end = 2 * outputs + sum(grads.values())
+    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
+                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights)
+
+
+def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
+    """What GC's step holds at its worst moment besides its kept bytes: the loss,
+    or a layer's backward with that layer rebuilt (``rebuilt``: ``_gc_parts``).
+
+    The whole layer is alive at once: GC recomputes every unit of it, so each
+    is rebuilt with its recomputed readers, back to the layer's first cut
+    (``rebuilt_from``)."""
+    return max([step.output_bytes + step.loss_bytes,
+                *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
+                *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])

@@ -447,6 +447,25 @@ def test_actor_update_batch_is_a_realistic_grpo_batch():
     assert len(mix) == b and sum(x == 0 for x in mix) == int(flat.sum())
 
 
+def test_actor_worker_frees_gradients_before_each_measured_update():
+    """The gradients' allocation is part of every update's peak: freed inside
+    the measured window, they would be in the RSS before it and left out
+    (measured on the small actor update: 15.8 MB of 46 MB)."""
+    from hilore_compiler.bench.actor_worker import ActorWorker
+
+    worker = ActorWorker.__new__(ActorWorker)  # measure() alone: no compile
+    worker.model = build_model("tiny")
+    fresh = []
+
+    def update() -> None:
+        fresh.append(all(p.grad is None for p in worker.model.parameters()))
+        for p in worker.model.parameters():
+            p.grad = torch.ones_like(p)
+
+    worker.step = update
+    assert len(worker.measure(3)) == 3 and fresh == [True, True, True]
+
+
 def test_actor_update_table_and_cli():
     from hilore_compiler.bench.actor_report import format_table
     from hilore_compiler.commands.bench import actor_config_from_args

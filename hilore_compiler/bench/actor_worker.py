@@ -66,19 +66,28 @@ class ActorWorker:
         return FixedBatch(compiled, micro), plan_buckets(plan, n), plan
 
     def step(self) -> None:
-        # Gradients start as None, as after optimizer.zero_grad(set_to_none=True).
-        self.model.zero_grad(set_to_none=True)
+        """One update from gradients that start as None (``zero_grad`` first)."""
         self.last = actor_update(self.compiled, None, self.batch, self.loss, update=self.update,
                                  buckets=self.buckets)
 
     def measure(self, steps: int) -> list[StepSample]:
-        return [measure_step(self.step, "cpu") for _ in range(steps)]
+        samples = []
+        for _ in range(steps):
+            # Before the measured window, as optimizer.zero_grad(set_to_none=True)
+            # runs before an update (and as worker.py measures): the gradients'
+            # allocation is part of every method's peak. Freed inside the
+            # window, they were counted in the RSS before it and left out.
+            self.model.zero_grad(set_to_none=True)
+            samples.append(measure_step(self.step, "cpu"))
+        return samples
 
     def setup(self) -> dict[str, Any]:
         start = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
         self.step()  # compiles every variant the update meets
         compile_s = time.perf_counter() - start
         warmup = self.measure(self.config.warmup)
+        self.model.zero_grad(set_to_none=True)
         self.step()
         torch.save(flat_grad(self.model).cpu(), self.grad_path)
         return {"compile_s": compile_s, "warmup": [dataclasses.asdict(s) for s in warmup],

@@ -206,8 +206,11 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> 
     progress("calibrating the codecs' gradient error (one unit of each kind at a time"
              + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
     trace = calibrate_on(policy, trace, batch, config)
+    # The update sums every microbatch's gradient into .grad: the weights'
+    # gradients are alive through every microbatch but the first.
     common = dict(risk_budget=config.risk_budget, buckets=config.buckets, codecs=list(config.codecs),
-                  exposure_mix=mix, gradient_exposures=batch_exposures(batch, config, on_policy=True))
+                  exposure_mix=mix, gradient_exposures=batch_exposures(batch, config, on_policy=True),
+                  accumulate_gradients=True)
     plans = {"buckets": solve(trace, config.budget, **common),
              "blind": exposure_blind_plan(trace, config.budget, **common)}
     paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}

@@ -31,17 +31,19 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
                batch: int | None = None, seq_len: int | None = None,
                exposure_mix: Sequence[float] | str | os.PathLike | None = None,
                gradient_exposures: Sequence[float] | None = None,
-               label: str = "fixed", loss_ratio: float = 0.0) -> Plan:
+               label: str = "fixed", loss_ratio: float = 0.0, accumulate_gradients: bool = False) -> Plan:
     """A plan with given decisions; raises ValueError when a decision breaks the
     rules (recompute from a compressed unit, an unusable codec, a non-recomputable unit).
 
-    ``loss_ratio``: the loss's peak over the graph outputs' bytes, as in
-    ``solve``; the predicted peaks leave the loss out when it is 0.
+    ``loss_ratio``: the loss's peak over the graph outputs' bytes, and
+    ``accumulate_gradients``, as in ``solve``; the predicted peaks leave the
+    loss out when it is 0.
 
     The budget recorded is the largest bucket memory; the risk budget is the
     plans' own summed risk (nothing was solved against one).
     """
-    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
+    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio,
+                           accumulate_gradients=accumulate_gradients)
     exposures = mix_exposures(exposure_mix)
     shares = planned_shares(buckets, exposures, gradient_exposures)
     plans = []
@@ -80,7 +82,8 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
                         buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
                         codecs=None, batch: int | None = None, seq_len: int | None = None,
                         exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-                        gradient_exposures: Sequence[float] | None = None) -> Plan:
+                        gradient_exposures: Sequence[float] | None = None,
+                        accumulate_gradients: bool = False) -> Plan:
     """The control for exposure conditioning: the same memory and error budget,
     solved as if one bucket held the whole update (error share 1, the only safe
     assumption without exposure), its decisions repeated in every bucket so
@@ -88,11 +91,12 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
     from .planner import solve
 
     one = solve(trace, budget, risk_budget=risk_budget, buckets=[("b0", 0.0, float("inf"), 1.0)],
-                codecs=codecs, batch=batch, seq_len=seq_len, exposure_mix=exposure_mix)
+                codecs=codecs, batch=batch, seq_len=seq_len, exposure_mix=exposure_mix,
+                accumulate_gradients=accumulate_gradients)
     decisions = one.decisions("b0")
     names = [s.name for s in bucket_specs(buckets, mix_exposures(exposure_mix))]
     plan = fixed_plan(trace, {n: decisions for n in names}, buckets=buckets, codecs=codecs, batch=batch,
                       seq_len=seq_len, exposure_mix=exposure_mix, gradient_exposures=gradient_exposures,
-                      label="exposure-blind")
+                      label="exposure-blind", accumulate_gradients=accumulate_gradients)
     return dataclasses.replace(plan, budget=one.budget, budget_bytes=one.budget_bytes,
                                risk_budget=one.risk_budget)

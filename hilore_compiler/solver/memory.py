@@ -242,7 +242,7 @@ class CostModel:
 
 
 def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
-               loss_ratio: float = 0.0) -> CostModel:
+               loss_ratio: float = 0.0, accumulate_gradients: bool = False) -> CostModel:
     """Evaluate ``trace`` at (batch, seq_len), keeping only the allowed codecs.
 
     ``loss_ratio``: the loss's own peak as a multiple of the graph's outputs'
@@ -275,7 +275,8 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
     gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, size_at(trace.gc_bytes, batch, seq_len))
     # The gradient flowing between layers has a layer input's size.
     flowing = layer_inputs // max(1, len(gc_rebuilt))
-    step = step_terms(trace, segments, batch=batch, seq_len=seq_len, flowing=flowing, loss_ratio=loss_ratio)
+    step = step_terms(trace, segments, batch=batch, seq_len=seq_len, flowing=flowing, loss_ratio=loss_ratio,
+                      accumulate_gradients=accumulate_gradients)
     return CostModel(
         batch=batch, seq_len=seq_len, units=units,
         gc_bytes=gc_kept + gc_worst(gc_rebuilt, step),

@@ -70,7 +70,8 @@ def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[st
 
 
 def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | None,
-            batch: int | None, seq_len: int | None, loss_ratio: float = 0.0) -> tuple[Trace, CostModel]:
+            batch: int | None, seq_len: int | None, loss_ratio: float = 0.0,
+            accumulate_gradients: bool = False) -> tuple[Trace, CostModel]:
     """Load the trace if given a path and evaluate its costs at the planned shape."""
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -85,7 +86,7 @@ def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | N
         raise ValueError(f"loss_ratio must be a finite number >= 0 (the loss's peak over its input's "
                          f"bytes), got {loss_ratio!r}")
     model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=allowed_codecs(trace, codecs),
-                       loss_ratio=float(loss_ratio))
+                       loss_ratio=float(loss_ratio), accumulate_gradients=bool(accumulate_gradients))
     return trace, model
 
 
@@ -254,7 +255,8 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
           gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
-          options: SolverOptions | None = None, progress: Progress | None = None) -> Plan:
+          accumulate_gradients: bool = False, options: SolverOptions | None = None,
+          progress: Progress | None = None) -> Plan:
     """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
     ``budget``: ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
@@ -271,13 +273,17 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     ``gradient_exposures``: where the mix holds off-policy bounds, each
     sample's expected (on-policy) exposure, which weighs the buckets' error
     (``mix.bucket_shares``). ``codecs``: names the trace measured (default: all). ``batch`` /
-    ``seq_len``: plan for another shape than traced.
+    ``seq_len``: plan for another shape than traced. ``accumulate_gradients``:
+    the graph runs one microbatch of an update that sums gradients over
+    several (``grpo.actor_update``), so every weight's gradient is alive
+    through all of it, GC's reference peak included.
     """
     check_cbc()
     options = options or SolverOptions()
     say = progress or (lambda _msg: None)
     error2 = parse_risk_budget(risk_budget)
-    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio)
+    trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio,
+                           accumulate_gradients=accumulate_gradients)
     parsed = parse_budget(budget)
     if gc_peak_bytes is not None and not (isinstance(gc_peak_bytes, int) and gc_peak_bytes > 0):
         raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
@@ -304,6 +310,9 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     if model.step.output_bytes:
         notes.append(f"step terms: outputs {model.step.output_bytes} bytes, loss {model.step.loss_bytes} "
                      f"bytes (loss_ratio {loss_ratio:g})")
+    if accumulate_gradients:
+        notes.append(f"gradients accumulate over microbatches: {model.step.held_gradient_bytes} bytes of "
+                     "weight gradients alive through every phase")
     if (model.batch, model.seq_len) != (trace.batch, trace.seq_len):
         notes.append(f"planned for batch {model.batch}, seq_len {model.seq_len}; traced at batch "
                      f"{trace.batch}, seq_len {trace.seq_len}: sizes re-evaluated, seconds scaled by bytes")

@@ -49,8 +49,13 @@ class StepTerms:
     #: gradient (the embedding's, made last, included).
     end_bytes: int = 0
     #: Per segment: the weights' gradients inside ``backward_bytes`` (its own
-    #: and those of every segment backward meets before it).
+    #: and those of every segment backward meets before it; every weight's
+    #: when the update accumulates gradients).
     weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
+    #: Weight gradients alive from the step's start: every weight's when the
+    #: update accumulates gradients over microbatches (the earlier
+    #: microbatches made them), else 0.
+    held_gradient_bytes: int = 0
 
     def recovering(self, segment: str, workspace: int) -> int:
         """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
@@ -59,11 +64,17 @@ class StepTerms:
 
     def floor(self) -> int:
         """The least the step adds to kept bytes, whatever is rebuilt."""
-        return max([self.output_bytes + self.loss_bytes, self.end_bytes, *self.backward_bytes.values()])
+        return max([self.loss_phase_bytes, self.end_bytes, *self.backward_bytes.values()])
+
+    @property
+    def loss_phase_bytes(self) -> int:
+        """What the loss's forward and backward hold besides kept bytes."""
+        return self.output_bytes + self.loss_bytes + self.held_gradient_bytes
 
     def phases(self) -> list[PeakParts]:
         """What the step holds besides kept bytes in each phase with nothing rebuilt (``floor``'s parts)."""
-        return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes),
+        return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes,
+                          weight_gradients=self.held_gradient_bytes),
                 PeakParts(at="end of backward", outputs=2 * self.output_bytes,
                           weight_gradients=self.end_bytes - 2 * self.output_bytes),
                 *(self.segment(g) for g in self.backward_bytes)]
@@ -101,9 +112,11 @@ class PeakParts:
 
 
 def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batch: int, seq_len: int,
-               flowing: int, loss_ratio: float) -> StepTerms:
+               flowing: int, loss_ratio: float, accumulate_gradients: bool = False) -> StepTerms:
     """The step's terms at (batch, seq_len) (module docstring); ``flowing``: the
-    bytes of the gradient passed between layers."""
+    bytes of the gradient passed between layers; ``accumulate_gradients``: the
+    step is a microbatch of an update that sums gradients over several, so
+    every weight's gradient is alive from its start."""
     outputs = size_at(trace.output_bytes, batch, seq_len)
     grads = trace.param_bytes
     layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
@@ -119,11 +132,12 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
         # several ops read (a chunked lm_head's, made from the chunk's logits'
         # gradient once the rebuilt logits are consumed).
         gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
-        weights[g] = so_far
-        backward[g] = 2 * outputs + gradient[g] + so_far
+        weights[g] = sum(grads.values()) if accumulate_gradients else so_far
+        backward[g] = 2 * outputs + gradient[g] + weights[g]
     end = 2 * outputs + sum(grads.values())
     return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
-                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights)
+                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights,
+                     held_gradient_bytes=sum(grads.values()) if accumulate_gradients else 0)
 
 
 def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
@@ -133,6 +147,6 @@ def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
     The whole layer is alive at once: GC recomputes every unit of it, so each
     is rebuilt with its recomputed readers, back to the layer's first cut
     (``rebuilt_from``)."""
-    return max([step.output_bytes + step.loss_bytes,
+    return max([step.loss_phase_bytes,
                 *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
                 *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])

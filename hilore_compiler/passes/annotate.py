@@ -273,13 +273,13 @@ def _with_read_until(units: list[UnitNodes], order: dict[fx.Node, int]) -> list[
     chunk's logits through ops nobody saves, while backward needs each
     chunk's logits only for that chunk's own gradient.
     """
-    made = sorted((max(order[n] for n in u.saved), u.key) for u in units)
+    made_at = {u.key: max(order[n] for n in u.saved) for u in units}
+    made = sorted((p, key) for key, p in made_at.items())
     positions = [p for p, _ in made]
     saved = {n for u in units for n in u.saved}
     result = []
     for u in units:
-        own = max(order[n] for n in u.saved)
-        last = own + 1  # at least the next unit's cut: the unit's own op may read it
+        last = made_at[u.key] + 1  # at least the next unit's cut: the unit's own op may read it
         todo = [*u.saved, storage_root(u.saved[0])]
         seen = set(todo)
         while todo:

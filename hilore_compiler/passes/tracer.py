@@ -96,9 +96,15 @@ def output_bytes_expr(joint: fx.GraphModule, symbols) -> sympy.Expr:
     return total_nbytes(tangents, symbols)
 
 
-def _trained_parameters(joint: fx.GraphModule, symbols, batch: int,
-                        seq_len: int) -> list[tuple[str, int, int]]:
+def trained_parameters(joint: fx.GraphModule, symbols, batch: int,
+                       seq_len: int) -> list[tuple[str, int, int]]:
     """(backward segment, bytes, forward ops reading it) of each trained parameter.
+
+    The bytes are its gradient's too: the trace's ``param_bytes`` sums them
+    per segment. A parameter several ops read has its gradient summed from
+    one partial per reader, each a tensor of its size alive beside the sum
+    (an lm_head read by every log-prob chunk): ``partial_grad_bytes`` keeps
+    the largest such per segment.
 
     A parameter belongs to the layer of the first op that reads it: parameter
     placeholders carry no module path of their own. Outside the layer stack,
@@ -140,29 +146,6 @@ def _forward_readers(node: fx.Node) -> list[fx.Node]:
         else:
             readers.append(user)
     return readers
-
-
-def param_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
-    """Bytes of the trained parameters (their gradients' bytes) per backward segment."""
-    out: dict[str, int] = {}
-    for segment, nbytes, _ in _trained_parameters(joint, symbols, batch, seq_len):
-        out[segment] = out.get(segment, 0) + nbytes
-    return out
-
-
-def partial_grad_bytes_by_segment(joint: fx.GraphModule, symbols, batch: int, seq_len: int) -> dict[str, int]:
-    """Per backward segment, the largest parameter that several forward ops read.
-
-    Backward sums such a parameter's gradient from one partial gradient per
-    reader, and each partial is a tensor of the parameter's size alive beside
-    the sum: an lm_head read by every log-prob chunk makes a (V, C) partial
-    per chunk. Segments without one are left out.
-    """
-    out: dict[str, int] = {}
-    for segment, nbytes, readers in _trained_parameters(joint, symbols, batch, seq_len):
-        if readers > 1:
-            out[segment] = max(out.get(segment, 0), nbytes)
-    return out
 
 
 def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph]) -> str:
@@ -257,10 +240,10 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len) + workspace
         store_total += sum((parse_size(u.bytes) for u in profiled), sympy.Integer(0))
         output_total += output_bytes_expr(capture.joint, symbols)
-        for segment, nbytes in param_bytes_by_segment(capture.joint, symbols, batch, seq_len).items():
+        for segment, nbytes, readers in trained_parameters(capture.joint, symbols, batch, seq_len):
             param_bytes[segment] = param_bytes.get(segment, 0) + nbytes
-        for segment, nbytes in partial_grad_bytes_by_segment(capture.joint, symbols, batch, seq_len).items():
-            partial_grad_bytes[segment] = max(partial_grad_bytes.get(segment, 0), nbytes)
+            if readers > 1:
+                partial_grad_bytes[segment] = max(partial_grad_bytes.get(segment, 0), nbytes)
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")

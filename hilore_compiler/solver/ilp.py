@@ -227,7 +227,8 @@ class _Bucket:
                     prob += workspace >= u.recompute_transient / byte_unit * self.x[u.key, RECOMPUTE], \
                         f"workspace_{self.tag}_{s}_{i}"
             early = self._rebuilt_early(s, segment)
-            rest = (step.backward_bytes.get(segment.name, 0) - gradient) / byte_unit
+            # The outputs and their gradient, and the weights' gradients.
+            rest = (2 * step.output_bytes + step.weight_gradient_bytes.get(segment.name, 0)) / byte_unit
             for cut in segment.peak_cuts:
                 alive = [u.bytes / byte_unit * (1 - self.x[u.key, STORE])
                          for i, u in enumerate(units) if cut in segment.window(i)]

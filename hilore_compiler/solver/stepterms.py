@@ -37,30 +37,34 @@ class StepTerms:
     output_bytes: int = 0
     #: The loss's own peak beyond the outputs (0: the loss is not known).
     loss_bytes: int = 0
-    #: Per segment (``group_of``): what backward holds there besides kept and
-    #: transient bytes: outputs and their gradient, gradient workspace,
-    #: weight gradients so far.
-    backward_bytes: Mapping[str, int] = field(default_factory=dict)
-    #: Per segment: the gradient workspace inside ``backward_bytes``. A
-    #: recompute workspace is freed before backward's gradients of the segment
-    #: are made, so the two never add: the segment holds the larger.
+    #: Per segment (``group_of``): the gradient workspace its backward holds.
+    #: A recompute workspace is freed before backward's gradients of the
+    #: segment are made, so the two never add: the segment holds the larger.
     gradient_bytes: Mapping[str, int] = field(default_factory=dict)
     #: The end of backward: outputs and their gradient, every weight's
     #: gradient (the embedding's, made last, included).
     end_bytes: int = 0
-    #: Per segment: the weights' gradients inside ``backward_bytes`` (its own
-    #: and those of every segment backward meets before it; every weight's
-    #: when the update accumulates gradients).
+    #: Per segment: the weights' gradients alive in its backward (its own and
+    #: those of every segment backward meets before it; every weight's when
+    #: the update accumulates gradients).
     weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
     #: Weight gradients alive from the step's start: every weight's when the
     #: update accumulates gradients over microbatches (the earlier
     #: microbatches made them), else 0.
     held_gradient_bytes: int = 0
 
+    @property
+    def backward_bytes(self) -> dict[str, int]:
+        """Per segment: what its backward holds besides kept and rebuilt bytes
+        with no recompute workspace: the outputs and their gradient, the
+        gradient workspace and the weights' gradients."""
+        return {g: self.recovering(g, 0) for g in self.gradient_bytes}
+
     def recovering(self, segment: str, workspace: int) -> int:
-        """``backward_bytes`` of ``segment`` while a recompute ``workspace`` is alive."""
-        base = self.backward_bytes.get(segment, 0) - self.gradient_bytes.get(segment, 0)
-        return base + max(workspace, self.gradient_bytes.get(segment, 0))
+        """What the backward of ``segment`` holds besides kept and rebuilt bytes
+        while a recompute ``workspace`` is alive."""
+        return (2 * self.output_bytes + self.weight_gradient_bytes.get(segment, 0)
+                + max(workspace, self.gradient_bytes.get(segment, 0)))
 
     def floor(self) -> int:
         """The least the step adds to kept bytes, whatever is rebuilt."""
@@ -77,16 +81,15 @@ class StepTerms:
                           weight_gradients=self.held_gradient_bytes),
                 PeakParts(at="end of backward", outputs=2 * self.output_bytes,
                           weight_gradients=self.end_bytes - 2 * self.output_bytes),
-                *(self.segment(g) for g in self.backward_bytes)]
+                *(self.segment(g) for g in self.gradient_bytes)]
 
     def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0) -> PeakParts:
         """What the backward of ``segment`` holds besides kept bytes, with
         ``rebuilt`` bytes of units and a recompute ``workspace`` alive."""
-        gradient = self.gradient_bytes.get(segment, 0)
-        weights = self.weight_gradient_bytes.get(segment, 0)
-        outputs = self.backward_bytes.get(segment, 0) - gradient - weights
-        return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt, workspace=max(workspace, gradient),
-                         weight_gradients=weights, outputs=outputs)
+        return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt,
+                         workspace=max(workspace, self.gradient_bytes.get(segment, 0)),
+                         weight_gradients=self.weight_gradient_bytes.get(segment, 0),
+                         outputs=2 * self.output_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +123,6 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
     outputs = size_at(trace.output_bytes, batch, seq_len)
     grads = trace.param_bytes
     layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
-    backward: dict[str, int] = {}
     gradient: dict[str, int] = {}
     weights: dict[str, int] = {}
     for g, us in segments.items():
@@ -133,10 +135,8 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
         # gradient once the rebuilt logits are consumed).
         gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
         weights[g] = sum(grads.values()) if accumulate_gradients else so_far
-        backward[g] = 2 * outputs + gradient[g] + weights[g]
     end = 2 * outputs + sum(grads.values())
-    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), backward_bytes=backward,
-                     gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights,
+    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights,
                      held_gradient_bytes=sum(grads.values()) if accumulate_gradients else 0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
@@ -373,6 +374,18 @@ def test_cli_codecs_apply_to_hilore_and_none_means_exact():
     assert config_from_args(parse(["bench", "--codecs", "none"])).hilore_codecs == ()
     with pytest.raises(ValueError, match="unknown codec"):
         config_from_args(parse(["bench", "--codecs", "int3"]))
+
+
+def test_cli_step_chunks_are_auto_or_token_counts_and_reach_the_worker():
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["bench"])).step_chunks == ()
+    assert config_from_args(parse(["bench", "--step-chunks", "auto"])).step_chunks == (0,)
+    assert config_from_args(parse(["bench", "--step-chunks", "64, 128"])).step_chunks == (64, 128)
+    for bad in ("0,64", "many"):
+        with pytest.raises(SystemExit):
+            parse(["bench", "--step-chunks", bad])
+    options = MethodOptions(step_chunks=(64, 128))
+    assert MethodOptions.from_json(json.loads(json.dumps(dataclasses.asdict(options)))) == options
 
 
 # --- one real run ----------------------------------------------------------

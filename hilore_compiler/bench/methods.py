@@ -120,11 +120,16 @@ class MethodOptions:
     #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary
     #: one chunk's fp32 logits are 128 * 128256 * 4 B = 66 MB.
     chunk_tokens: int = 128
+    #: Chunk sizes ``hilore-step`` chooses among (``grpo.choose_chunk_tokens``:
+    #: priced by the memory model, the fitting ones timed); empty: it runs
+    #: ``chunk_tokens``, as ``gc-chunked`` does. ``(0,)``: the default candidates.
+    step_chunks: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> MethodOptions:
         """Inverse of ``dataclasses.asdict`` (JSON turns tuples into lists)."""
-        return cls(**{**obj, "hilore_codecs": tuple(obj["hilore_codecs"])})
+        return cls(**{**obj, "hilore_codecs": tuple(obj["hilore_codecs"]),
+                      "step_chunks": tuple(obj.get("step_chunks", ()))})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -259,6 +264,19 @@ def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_conf
     step = compiled_step(model, loss_config, backend=backend, chunk_tokens=options.chunk_tokens,
                          checkpoint_chunks=False)
     return PreparedMethod(name=name, policy=model, step=step, backend=backend)
+
+
+def tuned_step(model: nn.Module, options: MethodOptions, loss_config: Any, batch: Sequence[torch.Tensor],
+               progress: Callable[[str], None] | None = None) -> tuple[PreparedMethod, dict[str, Any]]:
+    """``hilore-step`` with its chunk size chosen among ``options.step_chunks`` on ``batch``
+    (compiles every fitting candidate); the prepared method and the choice's record."""
+    from ..grpo import choose_chunk_tokens
+
+    candidates = None if options.step_chunks == (0,) else options.step_chunks
+    choice = choose_chunk_tokens(model, loss_config, batch, options=_hilore_options(options),
+                                 candidates=candidates, progress=progress)
+    prepared = PreparedMethod(name="hilore-step", policy=model, step=choice.step, backend=choice.backend)
+    return prepared, choice.to_json()
 
 
 def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_config: Any = None) -> PreparedMethod:

@@ -80,6 +80,9 @@ class BenchConfig:
     cache_dir: str | None = None
     #: Parameter dtype of the policy (``DTYPES``); log-probs and loss stay fp32.
     dtype: str = "float32"
+    #: ``hilore-step``'s candidate chunk sizes (``MethodOptions.step_chunks``);
+    #: empty: the same chunks as ``gc-chunked``; ``(0,)``: the default candidates.
+    step_chunks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -94,6 +97,9 @@ class BenchConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:
             raise ValueError(f"pt_budget must be in [0, 1], got {self.pt_budget}")
+        if any(c < 0 for c in self.step_chunks) or (0 in self.step_chunks and len(self.step_chunks) > 1):
+            raise ValueError(f"step_chunks must be positive token counts, or (0,) for the defaults; "
+                             f"got {self.step_chunks}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         unknown_codecs = [c for c in self.hilore_codecs if c not in codec_names()]
@@ -238,7 +244,8 @@ class Launcher:
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=self.config.hilore_budget, hilore_codecs=self.config.hilore_codecs,
                                 hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
-                                gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")))
+                                gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")),
+                                step_chunks=self.config.step_chunks)
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,
                               seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
                               warmup=self.config.warmup, options=options, grad_path=grad_path,

@@ -34,7 +34,7 @@ from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
 from .measure import StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set
 from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
-                      prepare_method)
+                      prepare_method, tuned_step)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,17 +160,29 @@ class Worker:
 
     def setup(self) -> dict[str, Any]:
         start = time.perf_counter()
+        chunks = self._choose_chunks() if self.config.method == "hilore-step" and self.config.options.step_chunks \
+            else None
         self.model.zero_grad(set_to_none=True)
         with self.prepared.compile_context():
             self._step()  # compiles: dynamo, AOTAutograd, partitioner, Inductor
         compile_s = time.perf_counter() - start
         info = self._info()
+        if chunks is not None:
+            info["chunk_choice"] = chunks
         warmup = self.measure(self.config.warmup)
         if self.config.grad_path:
             self.model.zero_grad(set_to_none=True)
             self._step()
             torch.save(flat_grad(self.model).cpu(), self.config.grad_path)
         return {"compile_s": compile_s, "warmup": [dataclasses.asdict(s) for s in warmup], "info": info}
+
+    def _choose_chunks(self) -> dict[str, Any]:
+        """Compile ``hilore-step`` at the chunk size ``grpo.choose_chunk_tokens`` picks; its record."""
+        d = self.data
+        batch = (d.input_ids, self.old_logprobs, d.advantages, d.mask)
+        self.prepared, record = tuned_step(self.model, self.config.options, self.loss_config, batch,
+                                           progress=lambda msg: print(f"hilore chunks: {msg}", file=sys.stderr))
+        return record
 
     def _info(self) -> dict[str, Any]:
         from torch._dynamo.utils import counters

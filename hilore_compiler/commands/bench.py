@@ -62,6 +62,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
     p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
                                     "recompute only (default bf16,int8; int4 is the lossy opt-in)")
+    p.add_argument("--step-chunks", type=chunk_list,
+                   help="hilore-step chooses its log-prob chunk size among these token counts, "
+                        "comma-separated, or 'auto' for sizes making 2 to 8 chunks: each priced by the "
+                        "memory model, the fitting ones compiled and timed (default: gc-chunked's 128)")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
@@ -74,6 +78,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def codec_list(text: str) -> tuple[str, ...]:
     """``--codecs``: comma-separated names; ``none`` for no codec at all."""
     return () if text.strip().lower() == "none" else comma_list(text)
+
+
+def chunk_list(text: str) -> tuple[int, ...]:
+    """``--step-chunks``: ``auto`` or comma-separated positive token counts."""
+    if text.strip().lower() == "auto":
+        return (0,)
+    try:
+        sizes = tuple(int(c) for c in comma_list(text))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--step-chunks takes 'auto' or positive token counts like 64,128,256, "
+                                         f"not {text!r}")
+    return sizes
 
 
 def actor_config_from_args(args: argparse.Namespace):

@@ -15,9 +15,12 @@ Modules in pipeline order:
 - ``step``: ``compiled_step``, the whole actor step (forward, log-probs, loss)
   compiled as one graph, so the planner sees the logits' memory too;
   optionally with chunked log-probs.
+- ``chunks``: ``choose_chunk_tokens``, the log-prob chunk size as a planner
+  decision: each size's plan priced by the memory model, the fitting ones timed.
 """
 
 from .advantages import group_advantages
+from .chunks import ChunkChoice, ChunkTrial, choose_chunk_tokens, default_chunk_candidates
 from .buckets import ZERO, ExposureBuckets, bucket_names, exposure_buckets, plan_buckets
 from .coefficients import (
     exposure_before_backward,
@@ -40,6 +43,8 @@ from .update import (
 )
 
 __all__ = [
+    "ChunkChoice",
+    "ChunkTrial",
     "LOSS_TYPES",
     "SCALE_REWARDS",
     "ZERO",
@@ -52,7 +57,9 @@ __all__ = [
     "UpdateReport",
     "actor_update",
     "bucket_names",
+    "choose_chunk_tokens",
     "compiled_step",
+    "default_chunk_candidates",
     "exposure_before_backward",
     "exposure_before_forward",
     "exposure_buckets",

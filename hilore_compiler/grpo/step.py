@@ -11,8 +11,9 @@ log-softmax statistics under the root module, the loss's pointwise ops).
 
 ``chunk_tokens=N`` computes the log-probs ``N`` tokens at a time under
 ``torch.utils.checkpoint`` (``models.logprobs.chunked_token_logprobs``), so
-the full logits tensor is never alive at once; the chunk size is the
-caller's choice, not yet a planner decision.
+the full logits tensor is never alive at once; with ``checkpoint_chunks=False``
+the planner decides per chunk instead, and ``chunks.choose_chunk_tokens``
+chooses the chunk size itself (priced by the memory model, timed).
 
 The model must expose its final hidden state and output projection for the
 chunked path: the built-in models have ``hidden_states(input_ids)`` and
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models.logprobs import chunked_token_logprobs, token_logprobs
+from ..passes.capture import fresh_code
 from .config import GRPOConfig
 from .loss import grpo_loss
 
@@ -88,6 +90,7 @@ def compiled_step(
     options: Mapping[str, Any] | None = None,
     chunk_tokens: int | None = None,
     checkpoint_chunks: bool = True,
+    dynamic: bool | None = None,
 ) -> StepFn:
     """``torch.compile`` of the whole actor step (forward, fp32 token log-probs, GRPO loss) as one graph.
 
@@ -102,14 +105,19 @@ def compiled_step(
         checkpoint_chunks: False computes the chunks without checkpoint, so
             that the hilore backend plans each chunk's logits (store,
             compress or recompute) instead of always recomputing them.
+        dynamic: ``torch.compile``'s. The hilore backend plans static shapes
+            only: pass False where one process compiles steps of several
+            chunk sizes, or dynamo turns the chunk size into a symbol.
 
     Returns:
         ``step(input_ids (B, T), old_logprobs (B, T-1), advantages (B,) or (B, T-1),
         mask (B, T-1)) -> loss``, a scalar to call ``backward()`` on. The loss is
         normalised over this call's batch (``grpo_loss`` without totals).
     """
-    kwargs: dict[str, Any] = {"backend": backend}
+    kwargs: dict[str, Any] = {"backend": backend, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)
-    return torch.compile(step_fn(model, config, chunk_tokens=chunk_tokens, checkpoint_chunks=checkpoint_chunks),
-                         **kwargs)
+    # A code object per compiled step: dynamo caches compiled frames per code
+    # object, and every step_fn closure shares one (see passes.capture.fresh_code).
+    step = fresh_code(step_fn(model, config, chunk_tokens=chunk_tokens, checkpoint_chunks=checkpoint_chunks))
+    return torch.compile(step, **kwargs)

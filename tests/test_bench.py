@@ -63,6 +63,17 @@ def test_cpu_peak_sees_a_known_allocation():
 
 
 @pytest.mark.skipif(not cpu_peak_supported(), reason="needs /proc/self/clear_refs (Linux)")
+def test_allocator_peak_sees_a_known_allocation_without_the_malloc_setting():
+    from hilore_compiler.bench.measure import allocator_peak
+
+    def step() -> None:
+        x = torch.ones(4 * 2**20 // 4)  # 4 MiB
+        y = x + 1  # another 4 MiB while x is alive
+        del x, y
+
+    assert 8 * 2**20 <= allocator_peak(step) < 9 * 2**20
+
+
 def test_cpu_peak_of_a_step_that_allocates_nothing_is_small():
     big = torch.ones(16 * MB)  # held before the step: not part of its peak
     sample = measure_step(lambda: big.sum(), "cpu")

@@ -48,10 +48,13 @@ from .runner import (
     compare_grads,
     describe,
     measure_rounds,
+    warm_peak,
 )
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
 ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
+#: Methods that need no plan, set up before the plans are solved.
+BASELINES = ("store-all", "gc")
 #: Codecs whose error binds the default error budget: calibrated unit by unit.
 LOSSY_CODECS = ("int4",)
 #: Microbatches of the batch the trace is calibrated on, spread over it.
@@ -190,8 +193,35 @@ def calibrate_on(policy: torch.nn.Module, trace: Any, batch: RolloutBatch, confi
     return trace
 
 
-def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> dict[str, Any]:
-    """Trace the policy at the microbatch shape and solve the bucketed and the blind plan."""
+def loss_ratio(policy: torch.nn.Module, batch: RolloutBatch, config: ActorBenchConfig) -> float:
+    """The update's loss side over the logits' bytes (``measure.loss_side``), rounded up to 0.1.
+
+    ``grpo.actor_update`` runs the token log-probs and ``grpo_loss`` eagerly
+    on the compiled policy's logits; their backward holds about 3x the logits
+    (logsumexp's gradient, the gather's dense gradient and their sum) while
+    every kept activation is alive. Up, as the step bench rounds it: that
+    phase is never under-predicted.
+    """
+    from ..grpo import grpo_loss
+    from ..models import token_logprobs
+    from .measure import loss_side
+
+    m, n = config.microbatch, batch.input_ids.shape[0]
+    ids, num_tokens = batch.input_ids[:m], float(batch.response_mask.sum())  # (m, T)
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return grpo_loss(token_logprobs(logits, ids), batch.old_logprobs[:m], batch.advantages[:m],
+                         batch.response_mask[:m], loss_config(config), num_sequences=n, num_tokens=num_tokens)
+
+    shape = (m, config.seq_len, policy.config.vocab_size)
+    ratio = loss_side(loss, shape, next(policy.parameters()).dtype, "cpu")
+    return math.ceil(round(ratio * 10, 6)) / 10
+
+
+def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
+                gc_peak_bytes: int | None = None) -> dict[str, Any]:
+    """Trace the policy at the microbatch shape and solve the bucketed and the blind plan,
+    with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak) when given."""
     from ..evaluation.arms import trace_policy
     from ..models import build_model
     from ..solver import predicted_error, solve
@@ -206,11 +236,13 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress) -> 
     progress("calibrating the codecs' gradient error (one unit of each kind at a time"
              + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
     trace = calibrate_on(policy, trace, batch, config)
+    ratio = loss_ratio(policy, batch, config)
+    progress(f"loss side: {ratio:g}x the logits' bytes (eager token log-probs and GRPO loss)")
     # The update sums every microbatch's gradient into .grad: the weights'
     # gradients are alive through every microbatch but the first.
     common = dict(risk_budget=config.risk_budget, buckets=config.buckets, codecs=list(config.codecs),
                   exposure_mix=mix, gradient_exposures=batch_exposures(batch, config, on_policy=True),
-                  accumulate_gradients=True)
+                  loss_ratio=ratio, gc_peak_bytes=gc_peak_bytes, accumulate_gradients=True)
     plans = {"buckets": solve(trace, config.budget, **common),
              "blind": exposure_blind_plan(trace, config.budget, **common)}
     paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}
@@ -253,6 +285,11 @@ def start(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir:
     return run
 
 
+def _peak(run: MethodRun | None) -> int | None:
+    peak = warm_peak(run)
+    return None if peak is None else int(peak)
+
+
 def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
     """Solve the plans, set up every method, measure in rounds; returns the report payload."""
     import os
@@ -262,10 +299,13 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
 
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"), **MMAP_THRESHOLD_ENV}
-    plans = solve_plans(config, run_dir, progress)
     runs: dict[str, MethodRun] = {}
     try:
-        for method in (m for m in ACTOR_METHODS if m in config.methods):
+        # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.
+        for method in (m for m in BASELINES if m in config.methods):
+            runs[method] = start(config, method, {}, run_dir, env, progress)
+        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=_peak(runs.get("gc")))
+        for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
         measure_rounds(list(runs.values()), config, progress)
     finally:

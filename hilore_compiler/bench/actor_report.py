@@ -3,6 +3,8 @@
 Throughput is the batch's tokens (B x T, skipped samples included) per second
 of the whole update, the median over the measured updates of all rounds;
 peak memory is the median per-update peak (``measure.py``'s definition).
+Speed ratios to GC and to the exposure-blind plan are paired by round with
+a 95% interval (``paired.py``): the methods of one round ran back to back.
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ from typing import Any
 import torch
 
 from .actor import LABELS, ActorBenchConfig
+from .paired import paired_ratio
 from .report import Spread
 from .runner import MethodRun
 
 ACTOR_SCHEMA = "hilore.bench-actor/v1"
 
 
-def _row(run: MethodRun, gc: MethodRun | None, plans: dict[str, Any]) -> dict[str, Any]:
+def _paired(run: MethodRun, reference: MethodRun | None) -> dict[str, Any] | None:
+    """``run``'s speed over ``reference``'s, paired by round; None where either has no rounds."""
+    tokens = run.info.get("tokens")
+    if reference is None or reference is run or not tokens or not run.samples or not reference.samples:
+        return None
+    ratio = paired_ratio(run.samples, reference.samples, tokens)
+    return None if ratio is None else asdict(ratio)
+
+
+def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: dict[str, Any]) -> dict[str, Any]:
     tokens = run.info.get("tokens")
     rate = Spread.of([tokens / s.seconds for s in run.samples]) if run.samples and tokens else None
     peak = Spread.of([float(s.peak_bytes) for s in run.samples]) if run.samples else None
@@ -35,6 +47,7 @@ def _row(run: MethodRun, gc: MethodRun | None, plans: dict[str, Any]) -> dict[st
         "tokens_per_s": None if rate is None else asdict(rate),
         "peak_bytes": None if peak is None else asdict(peak),
         "speed_vs_gc": None if rate is None or not gc_rate else rate.median / gc_rate,
+        "paired_vs_gc": _paired(run, gc), "paired_vs_blind": _paired(run, blind),
         "peak_vs_gc": None if peak is None or not gc_peak else peak.median / gc_peak,
         "cosine": None if run.fidelity is None else run.fidelity["cosine"],
         "rel_l2": None if run.fidelity is None else run.fidelity["rel_l2"],
@@ -52,18 +65,27 @@ def summarise(config: ActorBenchConfig, runs: dict[str, MethodRun], plans: dict[
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "cpu_count": __import__("os").cpu_count()},
         "plans": {"info": plans["info"], "mix": plans["mix"]},
-        "rows": [_row(r, runs.get("gc"), plans) for r in runs.values()],
+        "rows": [_row(r, runs.get("gc"), runs.get("hilore-blind"), plans) for r in runs.values()],
     }
+
+
+def _interval(paired: dict[str, Any] | None) -> str:
+    """``1.14 [1.09, 1.19]``, ``1.14`` with one round, ``-`` without."""
+    if paired is None:
+        return "-"
+    if paired["low"] is None:
+        return f"{paired['ratio']:.3f}"
+    return f"{paired['ratio']:.3f} [{paired['low']:.3f}, {paired['high']:.3f}]"
 
 
 def format_table(report: dict[str, Any]) -> str:
     """A markdown table of the rows, as the README shows it."""
-    head = ("| method | tokens/s (median) | x GC | peak MB | x GC peak | grad cosine | rel. L2 "
-            "(measured / predicted) | skipped | microbatches |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| method | tokens/s (median) | x GC [95% CI] | x blind [95% CI] | peak MB | x GC peak | grad cosine "
+            "| rel. L2 (measured / predicted) | skipped | microbatches |")
+    lines = [head, "|" + "---|" * 10]
     for r in report["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} |||||||| ")
+            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} ||||||||| ")
             continue
 
         def num(value: float | None, fmt: str) -> str:
@@ -72,7 +94,8 @@ def format_table(report: dict[str, Any]) -> str:
         predicted = num(r["predicted_rel_l2"], ".1e")
         lines.append(
             f"| {r['label']} | {num(r['tokens_per_s'] and r['tokens_per_s']['median'], '.0f')} | "
-            f"{num(r['speed_vs_gc'], '.3f')} | {num(r['peak_bytes'] and r['peak_bytes']['median'] / 1e6, '.1f')} | "
+            f"{_interval(r.get('paired_vs_gc'))} | {_interval(r.get('paired_vs_blind'))} | "
+            f"{num(r['peak_bytes'] and r['peak_bytes']['median'] / 1e6, '.1f')} | "
             f"{num(r['peak_vs_gc'], '.3f')} | {num(r['cosine'], '.6f')} | {num(r['rel_l2'], '.1e')} / "
             f"{predicted} | {r['info'].get('samples_skipped', '-')} | {r['info'].get('microbatches', '-')} |")
     return "\n".join(lines)

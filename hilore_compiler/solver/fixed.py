@@ -82,21 +82,22 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
                         buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
                         codecs=None, batch: int | None = None, seq_len: int | None = None,
                         exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-                        gradient_exposures: Sequence[float] | None = None,
-                        accumulate_gradients: bool = False) -> Plan:
+                        gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0,
+                        gc_peak_bytes: int | None = None, accumulate_gradients: bool = False) -> Plan:
     """The control for exposure conditioning: the same memory and error budget,
     solved as if one bucket held the whole update (error share 1, the only safe
     assumption without exposure), its decisions repeated in every bucket so
-    that it runs wherever the bucketed plan does."""
+    that it runs wherever the bucketed plan does. ``loss_ratio``,
+    ``gc_peak_bytes`` and ``accumulate_gradients`` as in ``solve``."""
     from .planner import solve
 
     one = solve(trace, budget, risk_budget=risk_budget, buckets=[("b0", 0.0, float("inf"), 1.0)],
-                codecs=codecs, batch=batch, seq_len=seq_len, exposure_mix=exposure_mix,
-                accumulate_gradients=accumulate_gradients)
+                codecs=codecs, batch=batch, seq_len=seq_len, exposure_mix=exposure_mix, loss_ratio=loss_ratio,
+                gc_peak_bytes=gc_peak_bytes, accumulate_gradients=accumulate_gradients)
     decisions = one.decisions("b0")
     names = [s.name for s in bucket_specs(buckets, mix_exposures(exposure_mix))]
     plan = fixed_plan(trace, {n: decisions for n in names}, buckets=buckets, codecs=codecs, batch=batch,
                       seq_len=seq_len, exposure_mix=exposure_mix, gradient_exposures=gradient_exposures,
-                      label="exposure-blind", accumulate_gradients=accumulate_gradients)
+                      label="exposure-blind", loss_ratio=loss_ratio, accumulate_gradients=accumulate_gradients)
     return dataclasses.replace(plan, budget=one.budget, budget_bytes=one.budget_bytes,
                                risk_budget=one.risk_budget)

@@ -8,7 +8,8 @@ a plan is made:
                combine, the cosine target, default buckets.
 - ``mix``:     the exposure mix (samples and coefficient mass per bucket).
 - ``memory``:  the memory / time model at a shape; ``simulate`` re-checks plans.
-- ``ilp``:     one ILP over all buckets (PuLP + CBC) and the min-memory ILP.
+- ``ilp``:     one ILP over all buckets (PuLP) and the min-memory ILP.
+- ``cbc``:     the CBC solver: found, run under a time limit, its bound read.
 - ``planner``: ``solve`` ties them together and verifies every answer.
 - ``fixed``:   plans with given decisions (baselines, controls), checked the
                same way; the one uniform-plan builder.
@@ -18,8 +19,8 @@ a plan is made:
 
 from ..planfile import BucketSpec
 from .budget import Budget, format_bytes, parse_budget
+from .cbc import SolverOptions, SolverUnavailableError
 from .fixed import fixed_plan, uniform_codec
-from .ilp import SolverOptions, SolverUnavailableError
 from .memory import CostModel, Prediction, cost_model, simulate
 from .pareto import ParetoCurve, ParetoPoint, pareto_curve
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, save_exposure_mix

@@ -25,6 +25,8 @@ buckets cannot afford. The second problem here
 minimises the largest bucket memory instead, to name the smallest feasible
 budget when the first is infeasible.
 
+CBC itself (finding it, running it, reading its log) is ``cbc.py``'s.
+
 Units inside the ILP: memory in thousandths of the store-all bytes and time in
 thousandths of the slowest plan's time, whatever the model's size. CBC's
 tolerances are absolute (1e-7 primal, 1e-6 integrality and objective cutoff
@@ -36,17 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import tempfile
-import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import pulp
 
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
+from .cbc import NoPlanInTime, SolverOptions, run_cbc
 from .memory import CostModel, Segment
 from .risk import plan_risk
 
@@ -59,28 +57,6 @@ BUDGET_SLACK = 1e-9
 #: A binary counts as chosen above this value: CBC returns integers only up to
 #: its integrality tolerance (1e-6), so never compare with ``== 1``.
 CHOSEN = 0.5
-
-
-class SolverUnavailableError(RuntimeError):
-    """CBC, the MILP solver the planner runs, cannot be found."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SolverOptions:
-    """How hard CBC works on each bucket."""
-
-    #: Wall seconds per ILP; then CBC returns its best plan so far (status
-    #: ``feasible``, with the gap it proved). Traces of one or two layers and the
-    #: small graphs of the tests solve to optimality in a second or less. On a
-    #: 32-layer trace CBC's feasibility pump finds its plan within ~3 s but cannot
-    #: prove it optimal in minutes (the layers are near-identical, so branching
-    #: on which of 32 alike layers takes which pattern does not move the bound);
-    #: the proven gap at 4 s is about 0.5-1.5% of recovery time.
-    time_limit_s: float = 4.0
-    #: Relative MIP gap at which CBC may stop; 0 asks for proven optimality.
-    gap_rel: float = 0.0
-    #: CBC threads; None leaves CBC's default (one).
-    threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,36 +80,6 @@ class IlpResult:
         if self.bound is None:
             return None
         return max(self.objective - self.bound, 0.0) / max(abs(self.objective), 1e-300)
-
-
-def _cbc(**options: object) -> pulp.LpSolver | None:
-    """A CBC that PuLP can run: the binary bundled with PuLP, else one on PATH.
-
-    PuLP 3.3 deprecates PULP_CBC_CMD (the bundled binary) in favour of COIN_CMD
-    with ``pip install pulp[cbc]``; until 4.0 the bundled one is what ``pip
-    install pulp`` provides, so its deprecation warning is silenced here only.
-    """
-    for name in ("PULP_CBC_CMD", "COIN_CMD"):
-        kind = getattr(pulp, name, None)
-        if kind is None:
-            continue
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated", category=DeprecationWarning)
-            solver = kind(**options)
-        if solver.available():
-            return solver
-    return None
-
-
-def check_cbc() -> None:
-    """Raise SolverUnavailableError, saying how to get CBC, if PuLP cannot run it."""
-    if _cbc(msg=False) is None:
-        raise SolverUnavailableError(
-            "the CBC solver is not available to PuLP: pulp.PULP_CBC_CMD().available() is "
-            "false. `pip install pulp` ships a CBC binary for common platforms (PuLP >= 3.3: "
-            "`pip install pulp[cbc]`); otherwise install it (`apt-get install coinor-cbc`) "
-            "and point PuLP at it with pulp.PULP_CBC_CMD(path='/usr/bin/cbc')"
-        )
 
 
 def _variable(prob: pulp.LpProblem, name: str, cat: str = pulp.LpContinuous,
@@ -327,10 +273,6 @@ class _Problem:
                 var.setInitialValue(1 if start[name][key] == option else 0)
 
 
-class _NoPlanInTime(RuntimeError):
-    """CBC stopped at the time limit without any plan."""
-
-
 def _run_cbc(problem: _Problem, options: SolverOptions, scale: float,
              start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
     """Solve; None if infeasible. ``scale`` turns the ILP objective into report units.
@@ -340,38 +282,14 @@ def _run_cbc(problem: _Problem, options: SolverOptions, scale: float,
     """
     if start is not None:
         problem.set_start(start)
-    limit = options.time_limit_s * len(problem.weights)
-    with tempfile.TemporaryDirectory(prefix="hilore-cbc-") as tmp:
-        log = Path(tmp) / "cbc.log"
-        cbc = _cbc(msg=False, timeLimit=limit, gapRel=options.gap_rel,
-                   threads=options.threads, logPath=str(log), warmStart=start is not None)
-        if cbc is None:
-            check_cbc()  # raises, saying how to get CBC
-        began = time.perf_counter()
-        problem.prob.solve(cbc)
-        seconds = time.perf_counter() - began
-        text = log.read_text() if log.exists() else ""
-    prob = problem.prob
-    if prob.status == pulp.LpStatusInfeasible:
+    run = run_cbc(problem.prob, time_limit_s=options.time_limit_s * len(problem.weights), options=options,
+                  warm_start=start is not None)
+    if run is None:
         return None
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise _NoPlanInTime(f"CBC found no plan within {limit} s "
-                            f"(status {pulp.LpStatus[prob.status]}); raise the time limit")
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
-    objective = (pulp.value(prob.objective) or 0.0) * scale
-    found = None if optimal else _lower_bound(text)
-    bound = objective if optimal else None if found is None else found * scale
-    return IlpResult(decisions=problem.decisions(), status="optimal" if optimal else "feasible",
-                     seconds=seconds, objective=objective, bound=bound)
-
-
-def _lower_bound(log: str) -> float | None:
-    """CBC's best bound when it stopped early, from its log, in ILP units.
-
-    (CBC's own "Gap:" line is rounded to two decimals, too coarse to report.)
-    """
-    found = re.search(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)
-    return float(found[1]) if found else None
+    objective = run.objective * scale
+    bound = objective if run.optimal else None if run.bound is None else run.bound * scale
+    return IlpResult(decisions=problem.decisions(), status="optimal" if run.optimal else "feasible",
+                     seconds=run.seconds, objective=objective, bound=bound)
 
 
 def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
@@ -427,7 +345,7 @@ def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callab
         problem, scale = make(model, [w], risk_budget=risk_budget)
         try:
             part = _run_cbc(problem, options, scale=scale)
-        except _NoPlanInTime:
+        except NoPlanInTime:
             return None
         if part is None:
             return None
@@ -461,7 +379,7 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
         problem, _ = make(model, weights, risk_budget=risk_budget)
         try:
             result = _run_cbc(problem, options, scale=problem.second_unit)
-        except _NoPlanInTime:
+        except NoPlanInTime:
             if start is None:
                 raise
             result = _run_cbc(problem, options, scale=problem.second_unit, start=start)

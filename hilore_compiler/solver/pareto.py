@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
-from .ilp import BucketWeight, SolverOptions, check_cbc, solve_min_time
+from .cbc import SolverOptions, check_cbc
+from .ilp import BucketWeight, solve_min_time
 from .planner import least_memory, prepare, verify, verify_risk
 from .risk import DEFAULT_RISK_BUDGET, parse_risk_budget
 

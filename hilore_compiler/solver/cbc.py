@@ -1,0 +1,124 @@
+"""CBC, the MILP solver behind the ILP: finding it, running it, reading what it proved.
+
+PuLP builds the problem (``ilp.py``); this module finds a CBC binary PuLP can
+run, says how to get one when there is none, runs it under a time limit and
+reads its status, objective and, when it stopped early, its proven bound.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pulp
+
+__all__ = ["CbcRun", "NoPlanInTime", "SolverOptions", "SolverUnavailableError", "check_cbc", "run_cbc"]
+
+
+class SolverUnavailableError(RuntimeError):
+    """CBC, the MILP solver the planner runs, cannot be found."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SolverOptions:
+    """How hard CBC works on each bucket."""
+
+    #: Wall seconds per ILP; then CBC returns its best plan so far (status
+    #: ``feasible``, with the gap it proved). Traces of one or two layers and the
+    #: small graphs of the tests solve to optimality in a second or less. On a
+    #: 32-layer trace CBC's feasibility pump finds its plan within ~3 s but cannot
+    #: prove it optimal in minutes (the layers are near-identical, so branching
+    #: on which of 32 alike layers takes which pattern does not move the bound);
+    #: the proven gap at 4 s is about 0.5-1.5% of recovery time.
+    time_limit_s: float = 4.0
+    #: Relative MIP gap at which CBC may stop; 0 asks for proven optimality.
+    gap_rel: float = 0.0
+    #: CBC threads; None leaves CBC's default (one).
+    threads: int | None = None
+
+
+class NoPlanInTime(RuntimeError):
+    """CBC stopped at the time limit without any plan."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CbcRun:
+    """What one CBC run found, in the problem's own units."""
+
+    #: True when CBC proved the objective optimal (else it stopped at the time limit).
+    optimal: bool
+    objective: float
+    #: CBC's proven lower bound when it stopped early; None if its log has none.
+    bound: float | None
+    seconds: float
+
+
+def cbc_solver(**options: object) -> pulp.LpSolver | None:
+    """A CBC that PuLP can run: the binary bundled with PuLP, else one on PATH.
+
+    PuLP 3.3 deprecates PULP_CBC_CMD (the bundled binary) in favour of COIN_CMD
+    with ``pip install pulp[cbc]``; until 4.0 the bundled one is what ``pip
+    install pulp`` provides, so its deprecation warning is silenced here only.
+    """
+    for name in ("PULP_CBC_CMD", "COIN_CMD"):
+        kind = getattr(pulp, name, None)
+        if kind is None:
+            continue
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated", category=DeprecationWarning)
+            solver = kind(**options)
+        if solver.available():
+            return solver
+    return None
+
+
+def check_cbc() -> None:
+    """Raise SolverUnavailableError, saying how to get CBC, if PuLP cannot run it."""
+    if cbc_solver(msg=False) is None:
+        raise SolverUnavailableError(
+            "the CBC solver is not available to PuLP: pulp.PULP_CBC_CMD().available() is "
+            "false. `pip install pulp` ships a CBC binary for common platforms (PuLP >= 3.3: "
+            "`pip install pulp[cbc]`); otherwise install it (`apt-get install coinor-cbc`) "
+            "and point PuLP at it with pulp.PULP_CBC_CMD(path='/usr/bin/cbc')"
+        )
+
+
+def run_cbc(prob: pulp.LpProblem, *, time_limit_s: float, options: SolverOptions,
+            warm_start: bool = False) -> CbcRun | None:
+    """Solve ``prob`` with CBC within ``time_limit_s``; None if it is infeasible.
+
+    Raises:
+        SolverUnavailableError: no CBC PuLP can run.
+        NoPlanInTime: CBC stopped at the time limit without any solution.
+    """
+    with tempfile.TemporaryDirectory(prefix="hilore-cbc-") as tmp:
+        log = Path(tmp) / "cbc.log"
+        cbc = cbc_solver(msg=False, timeLimit=time_limit_s, gapRel=options.gap_rel,
+                         threads=options.threads, logPath=str(log), warmStart=warm_start)
+        if cbc is None:
+            check_cbc()  # raises, saying how to get CBC
+        began = time.perf_counter()
+        prob.solve(cbc)
+        seconds = time.perf_counter() - began
+        text = log.read_text() if log.exists() else ""
+    if prob.status == pulp.LpStatusInfeasible:
+        return None
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        raise NoPlanInTime(f"CBC found no plan within {time_limit_s} s "
+                           f"(status {pulp.LpStatus[prob.status]}); raise the time limit")
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    return CbcRun(optimal=optimal, objective=pulp.value(prob.objective) or 0.0,
+                  bound=None if optimal else _lower_bound(text), seconds=seconds)
+
+
+def _lower_bound(log: str) -> float | None:
+    """CBC's best bound when it stopped early, from its log, in ILP units.
+
+    (CBC's own "Gap:" line is rounded to two decimals, too coarse to report.)
+    """
+    found = re.search(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)
+    return float(found[1]) if found else None

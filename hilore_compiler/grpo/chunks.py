@@ -143,7 +143,7 @@ class NoChunkFitsError(InfeasibleBudgetError):
         self.trials = trials
 
 
-def _none_fits(closest: Any, options: Mapping[str, Any], trials: tuple[ChunkTrial, ...]) -> NoChunkFitsError:
+def _none_fits(closest: InfeasibleBudgetError, options: Mapping[str, Any], trials: tuple[ChunkTrial, ...]) -> NoChunkFitsError:
     """The error for a budget no candidate fits: it names the smallest that does, and where."""
     chunk = next(t.chunk_tokens for t in trials if t.min_budget_bytes == closest.min_budget_bytes)
     tried = ", ".join(str(t.chunk_tokens) for t in trials)
@@ -278,5 +278,8 @@ def choose_chunk_tokens(
     trial = min((trials[c] for c in compiled), key=lambda t: t.seconds)
     say(f"chose {trial.chunk_tokens} tokens per chunk")
     step, _, backend = compiled[trial.chunk_tokens]
+    # Strict only while choosing: from here on the step trains, and a later
+    # compile (a new shape) must fall back to Inductor, not stop training.
+    backend.options = dataclasses.replace(backend.options, strict=bool(options.get("strict", False)))
     return ChunkChoice(chunk_tokens=trial.chunk_tokens, step=step, backend=backend,
                        budget_bytes=backend.graphs[0].plan.budget_bytes, trials=tuple(trials.values()))

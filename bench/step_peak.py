@@ -28,10 +28,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from hilore_compiler.backend import HiLoReBackend
-from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, measure_cpu
+from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, allocation_deltas, measure_cpu
 from hilore_compiler.bench.methods import wrap_layers
 from hilore_compiler.grpo import GRPOConfig, compiled_step
 from hilore_compiler.models import build_model, token_logprobs
@@ -42,13 +41,9 @@ BATCH, SEQ, CHUNK, MB = 2, 256, 128, 1e6
 def allocation_trail(step) -> tuple[int, list[tuple[int, int, bool]]]:
     """(peak bytes the allocator held during ``step()``, [(delta, running total, at peak)] for
     allocations and frees of 10 MB or more)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
     total = peak = 0
     running = []
-    for _, delta in events:
+    for delta in allocation_deltas(step):
         total += delta
         peak = max(peak, total)
         running.append((delta, total))

@@ -194,17 +194,17 @@ def calibrate_on(policy: torch.nn.Module, trace: Any, batch: RolloutBatch, confi
 
 
 def loss_ratio(policy: torch.nn.Module, batch: RolloutBatch, config: ActorBenchConfig) -> float:
-    """The update's loss side over the logits' bytes (``measure.loss_side``), rounded up to 0.1.
+    """The update's loss side over the logits' bytes (``measure.loss_side``), as plans take it
+    (``measure.plan_loss_ratio``).
 
     ``grpo.actor_update`` runs the token log-probs and ``grpo_loss`` eagerly
     on the compiled policy's logits; their backward holds about 3x the logits
     (logsumexp's gradient, the gather's dense gradient and their sum) while
-    every kept activation is alive. Up, as the step bench rounds it: that
-    phase is never under-predicted.
+    every kept activation is alive.
     """
     from ..grpo import grpo_loss
     from ..models import token_logprobs
-    from .measure import loss_side
+    from .measure import loss_side, plan_loss_ratio
 
     m, n = config.microbatch, batch.input_ids.shape[0]
     ids, num_tokens = batch.input_ids[:m], float(batch.response_mask.sum())  # (m, T)
@@ -214,8 +214,7 @@ def loss_ratio(policy: torch.nn.Module, batch: RolloutBatch, config: ActorBenchC
                          batch.response_mask[:m], loss_config(config), num_sequences=n, num_tokens=num_tokens)
 
     shape = (m, config.seq_len, policy.config.vocab_size)
-    ratio = loss_side(loss, shape, next(policy.parameters()).dtype, "cpu")
-    return math.ceil(round(ratio * 10, 6)) / 10
+    return plan_loss_ratio(loss_side(loss, shape, next(policy.parameters()).dtype, "cpu"))
 
 
 def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,

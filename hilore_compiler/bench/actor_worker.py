@@ -66,7 +66,7 @@ class ActorWorker:
         return FixedBatch(compiled, micro), plan_buckets(plan, n), plan
 
     def step(self) -> None:
-        """One update from gradients that start as None (``zero_grad`` first)."""
+        """One whole update; the caller frees the gradients first (``measure``, ``setup``)."""
         self.last = actor_update(self.compiled, None, self.batch, self.loss, update=self.update,
                                  buckets=self.buckets)
 

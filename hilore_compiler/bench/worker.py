@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -32,7 +31,8 @@ import torch
 from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
-from .measure import StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set
+from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
+                      plan_loss_ratio)
 from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
                       prepare_method, tuned_step)
 
@@ -116,11 +116,7 @@ class Worker:
         if config.method in HILORE_BACKENDS and config.method not in STEP_METHODS:
             # The eager loss after the compiled policy is part of the step's
             # peak: measure it here, before the first call plans.
-            # Rounded so that hilore and uniform-int8, which measure it in their
-            # own processes, share the trace cached under the same options; up,
-            # so that the loss phase, where an int8-heavy plan peaks, is never
-            # under-predicted (2.94 -> 3.0 adds 2 MB on small at T=2048).
-            options = dataclasses.replace(options, loss_ratio=math.ceil(round(self._loss_ratio() * 10, 6)) / 10)
+            options = dataclasses.replace(options, loss_ratio=plan_loss_ratio(self._loss_ratio()))
         self.prepared: PreparedMethod = prepare_method(config.method, self.model, options, self.loss_config)
         self.bucket: str | None = None
 

@@ -111,14 +111,16 @@ class BucketPlan:
     mass_share: float | None = None
     error_share: float | None = None
     #: Where the predicted peak falls (``"backward of outside"``, ``"loss"``,
-    #: ``"end of backward"``) and its parts besides kept bytes, which add up
-    #: to ``transient_bytes`` (``PEAK_PARTS``); None / empty: not recorded.
+    #: ``"end of backward"``) and its parts besides kept bytes (``PEAK_PARTS``),
+    #: whose ``peak_total`` is ``transient_bytes``; None / empty: not recorded.
     peak_at: str | None = None
     peak_parts: Mapping[str, int] = field(default_factory=dict)
 
 
-#: The parts of a bucket's ``transient_bytes`` at its peak (``solver.stepterms.PeakParts``).
-PEAK_PARTS = ("rebuilt", "workspace", "weight_gradients", "outputs")
+#: The parts of a bucket's ``transient_bytes`` at its peak (``solver.stepterms.PeakParts``):
+#: four alive besides kept bytes, and ``freed``, the kept bytes backward has
+#: already released there, which count against them (``validate.peak_total``).
+PEAK_PARTS = ("rebuilt", "workspace", "weight_gradients", "outputs", "freed")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -328,7 +330,9 @@ def _peak_from_json(predicted: dict[str, Any], at: str) -> dict[str, Any]:
         return {}
     parts = require(predicted, "peak_parts", dict, at)
     return {"peak_at": require(predicted, "peak_at", str, at),
-            "peak_parts": {name: require(parts, name, int, f"{at}.peak_parts") for name in PEAK_PARTS}}
+            # ``freed`` is absent from plans made before backward's frees were modelled.
+            "peak_parts": {name: 0 if name == "freed" and name not in parts
+                           else require(parts, name, int, f"{at}.peak_parts") for name in PEAK_PARTS}}
 
 
 def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:

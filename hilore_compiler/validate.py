@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .jsonio import FormatError
@@ -149,6 +149,12 @@ def _plan_unit(u: Any, at: str) -> list[str]:
     return problems
 
 
+def peak_total(parts: Mapping[str, int]) -> int:
+    """What a plan bucket's ``peak_parts`` add up to, ``transient_bytes``: the
+    parts alive besides kept bytes, less ``freed`` (``planfile.PEAK_PARTS``)."""
+    return sum(v for k, v in parts.items() if k != "freed") - parts.get("freed", 0)
+
+
 def _plan_bucket(b: Any, at: str) -> list[str]:
     spec = b.bucket
     problems = _number(spec.lo, f"{at}.lo") + _number(spec.exposure, f"{at}.exposure")
@@ -158,8 +164,8 @@ def _plan_bucket(b: Any, at: str) -> list[str]:
         problems += _number(getattr(b, field), f"{at}.predicted.{field}", integer=True)
     for name, value in getattr(b, "peak_parts", {}).items():
         problems += _number(value, f"{at}.predicted.peak_parts.{name}", integer=True)
-    if getattr(b, "peak_parts", None) and sum(b.peak_parts.values()) != b.transient_bytes:
-        problems.append(f"{at}.predicted.peak_parts: add up to {sum(b.peak_parts.values())}, not "
+    if getattr(b, "peak_parts", None) and peak_total(b.peak_parts) != b.transient_bytes:
+        problems.append(f"{at}.predicted.peak_parts: add up to {peak_total(b.peak_parts)} (less freed), not "
                         f"transient_bytes {b.transient_bytes}")
     problems += _number(b.time_s, f"{at}.predicted.time_s") + _number(b.risk, f"{at}.predicted.risk")
     problems += _strings(b.notes, f"{at}.notes")

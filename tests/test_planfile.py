@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hilore_compiler.jsonio import FormatError
-from hilore_compiler.planfile import PLAN_SCHEMA, Plan, load_plan, plan_from_json
+from hilore_compiler.planfile import PEAK_PARTS, PLAN_SCHEMA, Plan, load_plan, plan_from_json
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 
@@ -51,7 +51,9 @@ def test_record_contents(plan):
     assert b1.memory_bytes == b1.kept_bytes + b1.transient_bytes <= plan.budget_bytes
     # Where the peak falls, and its parts, which make up the transient bytes.
     assert b1.peak_at in ("loss", "end of backward") or b1.peak_at.startswith("backward of ")
-    assert sum(b1.peak_parts.values()) == b1.transient_bytes
+    parts = dict(b1.peak_parts)
+    assert parts.keys() == set(PEAK_PARTS) and parts["freed"] >= 0
+    assert sum(parts.values()) - 2 * parts.pop("freed") == b1.transient_bytes
     assert b1.solver.status in ("optimal", "feasible") and b1.solver.seconds > 0
     with pytest.raises(KeyError, match="no bucket 'b9'"):
         plan.decisions("b9")
@@ -95,6 +97,16 @@ def _broken(plan: Plan, tmp_path, edit) -> str:
     return path
 
 
+def test_plans_from_before_freed_was_recorded_load(plan, tmp_path):
+    """``peak_parts.freed`` is newer than the format: a plan without it reads as nothing freed."""
+    def drop_freed(p):
+        for b in p["buckets"]:
+            parts = b["predicted"].get("peak_parts", {})
+            assert parts.pop("freed", 0) == 0  # the fixture's peaks fall where nothing is freed yet
+    old = load_plan(_broken(plan, tmp_path, drop_freed))
+    assert all(b.peak_parts["freed"] == 0 for b in old.buckets if b.peak_at is not None)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda p: p.pop("fingerprint"), "missing field 'fingerprint'"),
     (lambda p: p["shape"].update(batch="2"), r"shape.batch: expected int, found str"),
@@ -108,6 +120,7 @@ def _broken(plan: Plan, tmp_path, edit) -> str:
     (lambda p: p["units"][0]["options"].update({"gzip": {"bytes": 1, "time_s": 0.0}}), "'gzip' is not store"),
     (lambda p: p["buckets"][1]["predicted"]["peak_parts"].update(outputs=10**12), r"peak_parts: add up to"),
     (lambda p: p["buckets"][1]["predicted"]["peak_parts"].pop("rebuilt"), r"peak_parts: missing field 'rebuilt'"),
+    (lambda p: p["buckets"][1]["predicted"]["peak_parts"].update(freed=10**12), r"peak_parts: add up to"),
 ])
 def test_invalid_plan_names_what_is_wrong(plan, tmp_path, edit, message):
     with pytest.raises(FormatError, match=message):

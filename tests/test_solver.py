@@ -189,10 +189,11 @@ def test_the_buckets_plans_differ_where_the_error_budget_binds():
     assert fp8[0] > fp8[-1] and fp8 == sorted(fp8, reverse=True), fp8
     assert solved[0].time_s < solved[-1].time_s
     # The exposure-blind control (one bucket holding the whole update) meets
-    # the same budgets only with int8 everywhere: slower over the mix.
+    # the same budgets only with int8 wherever it compresses: slower over the mix.
+    # (The last layer may be stored: backward frees it before decoding the others.)
     from hilore_compiler.solver.fixed import exposure_blind_plan
     blind = [b for b in exposure_blind_plan(_lossy_trace(), plan.budget_bytes).buckets if not b.skip]
-    assert all(o == "compress:int8" for b in blind for _, o in b.decisions)
+    assert all(o in ("compress:int8", STORE) for b in blind for _, o in b.decisions)
     assert sum(b.sample_share * b.time_s for b in solved) < sum(b.sample_share * b.time_s for b in blind)
 
 

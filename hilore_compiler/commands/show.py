@@ -153,7 +153,7 @@ def render_plan(plan: Plan) -> str:
         "== totals against GC and store-all",
         table(["bucket", "kept", "transient", "memory", "vs GC", "vs store-all", "recovery"], totals),
         *(["", "== where the peak falls (transient = rebuilt + workspace + weight gradients + outputs)",
-           table(["bucket", "at", "rebuilt", "workspace", "weight grads", "outputs"], peaks)] if peaks else []),
+           table(["bucket", "at", "rebuilt", "workspace", "weight grads", "outputs", "freed"], peaks)] if peaks else []),
     ])
 
 

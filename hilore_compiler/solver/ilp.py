@@ -3,15 +3,20 @@
 Variables, per nonzero bucket b
     x[b, u, o]  binary: recovery unit u takes option o (store,
                 compress:<codec>, recompute) in bucket b. One per unit.
-    T[b]        continuous: the most bytes b's step holds at once besides kept
-                ones (``memory.py``): at each cut of a segment, its rebuilt
-                units, workspace and backward terms. A unit's bytes count at
-                the cuts of its window when it is not stored; a recomputed
-                unit's also after it, through z[b, u, p] >= x[b, v, R] -
-                x[b, u, S] for each recomputed reader v rebuilt at p
-                (``memory.rebuilt_from``). z and the segment's workspace
+    T[b, g]     continuous: the most bytes the backward of segment g holds
+                at once besides kept ones (``memory.py``): at each cut of g,
+                its rebuilt units, workspace and backward terms. A unit's
+                bytes count at the cuts of its window when it is not stored;
+                a recomputed unit's also after it, through z[b, u, p] >=
+                x[b, v, R] - x[b, u, S] for each recomputed reader v rebuilt
+                at p (``memory.rebuilt_from``). z and the segment's workspace
                 W[b, g] are continuous: minimising time under a ceiling on T
                 never gains from raising them.
+
+Memory of bucket b at each phase (``memory.peak_parts``), all under the
+ceiling: kept + the loss's peak; kept - kept of the layers + the end of
+backward; and, per segment g, kept - kept of the layers backward finished
+before g + T[b, g]. Kept bytes are linear in x, so this stays an ILP.
 
 Objective: minimise the expected recovery time over a batch's exposure mix,
 sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
@@ -117,7 +122,8 @@ class _Bucket:
             (u.key, o): _variable(prob, f"x_{tag}_{i}_{j}", pulp.LpBinary)
             for i, u in enumerate(self.model.units) for j, o in enumerate(u.options)
         }
-        self.T = _variable(prob, f"T_transient_{tag}", low=0)
+        #: Per segment: T[g], what its backward holds at once besides kept bytes.
+        self.T: dict[str, pulp.LpVariable | float] = {}
         self._one_option_per_unit()
         self._recompute_reads_only_exact_inputs()
         self._largest_transient()
@@ -150,21 +156,23 @@ class _Bucket:
                         f"exact_inputs_{self.tag}_{i}_{j}"
 
     def _largest_transient(self) -> None:
-        # T covers what the step holds at once besides kept bytes (memory.py):
-        # the loss's peak, or, at each cut p of a segment g, the units rebuilt
-        # there, g's recompute workspace or gradient workspace (the larger), and
-        # g's other backward terms (a constant). Unit u is rebuilt at p when
+        # T[g] covers what the backward of segment g holds at once besides kept
+        # bytes (memory.py): at each cut p, the units rebuilt there, g's
+        # recompute workspace or gradient workspace (the larger), and g's other
+        # backward terms (a constant). Unit u is rebuilt at p when
         #   p in u's window:  it is not stored (1 - x[u,S]);
         #   p after it:       z[u,p] >= r[v,p] - x[u,S] for each reader v,
         # r[v,p] "v is recomputed and rebuilt at p" (x[v,R] in v's window,
         # z[v,p] after it): recomputing v reads u, so u is rebuilt with it.
         byte_unit, prob = self.problem.byte_unit, self.problem.prob
         step = self.model.step
-        self.T.lowBound = step.floor() / byte_unit
         for s, segment in enumerate(self.model.segments):
             units = segment.units
+            floor = step.backward_bytes.get(segment.name, 0) / byte_unit
             if all(u.options == (STORE,) for u in units):
-                continue  # nothing rebuilt: floor() covers the segment
+                self.T[segment.name] = floor  # nothing rebuilt
+                continue
+            T = self.T[segment.name] = _variable(prob, f"T_transient_{self.tag}_{s}", low=floor)
             gradient = step.gradient_bytes.get(segment.name, 0)
             # The larger of the gradient workspace and any recompute workspace.
             workspace = _variable(prob, f"W_{self.tag}_{s}", low=gradient / byte_unit)
@@ -179,7 +187,7 @@ class _Bucket:
                 alive = [u.bytes / byte_unit * (1 - self.x[u.key, STORE])
                          for i, u in enumerate(units) if cut in segment.window(i)]
                 alive += [units[i].bytes / byte_unit * z for (i, p), z in early.items() if p == cut]
-                prob += self.T >= pulp.lpSum(alive) + workspace + rest, f"transient_{self.tag}_{s}_{cut}"
+                prob += T >= pulp.lpSum(alive) + workspace + rest, f"transient_{self.tag}_{s}_{cut}"
 
     def _rebuilt_early(self, s: int, segment: Segment) -> dict[tuple[int, int], pulp.LpVariable]:
         """z[i, p] for each unit i and cut p after its window at which a recomputed
@@ -205,11 +213,22 @@ class _Bucket:
                     prob += z >= r - self.x[u.key, STORE], f"early_{self.tag}_{s}_{i}_{cut}_{k}"
         return early
 
-    def memory(self) -> pulp.LpAffineExpression:
-        """Kept bytes (stored + compressed) plus the largest transient, in byte units."""
-        kept = pulp.lpSum(u.kept_bytes(o) / self.problem.byte_unit * self.x[u.key, o]
-                          for u in self.model.units for o in u.options)
-        return kept + self.T
+    def kept(self, segments: Sequence[str] | None = None) -> pulp.LpAffineExpression:
+        """Kept bytes (stored + compressed) of ``segments`` (None: all), in byte units."""
+        return pulp.lpSum(u.kept_bytes(o) / self.problem.byte_unit * self.x[u.key, o]
+                          for u in self.model.units
+                          if segments is None or group_of(u.layer) in segments for o in u.options)
+
+    def memory(self) -> list[pulp.LpAffineExpression]:
+        """The step's memory at each phase (``memory.peak_parts``), in byte units:
+        kept bytes less those of the segments backward has finished, plus what
+        the phase holds besides them. The plan's memory is the largest."""
+        step, byte_unit = self.model.step, self.problem.byte_unit
+        kept = self.kept()
+        phases = [kept + step.loss_phase_bytes / byte_unit,
+                  kept - self.kept(step.layer_segments) + step.end_bytes / byte_unit]
+        phases += [kept - self.kept(step.passed.get(g, ())) + T for g, T in self.T.items()]
+        return phases
 
     def time(self) -> pulp.LpAffineExpression:
         """Recovery time: recompute seconds plus encode + decode seconds, in second units."""
@@ -249,10 +268,11 @@ class _Problem:
                           for w in self.weights)
 
     def every_bucket_fits(self, limit: pulp.LpAffineExpression | float) -> None:
-        # Memory: each bucket's kept bytes plus its largest transient fit the
-        # ceiling (buckets run one after another, never at once).
+        # Memory: each bucket's memory at every phase fits the ceiling
+        # (buckets run one after another, never at once).
         for w in self.weights:
-            self.prob += self.buckets[w.name].memory() <= limit, f"memory_budget_{w.name}"
+            for k, phase in enumerate(self.buckets[w.name].memory()):
+                self.prob += phase <= limit, f"memory_budget_{w.name}_{k}"
 
     def error_within_budget(self, risk_budget: float) -> None:
         # The update's predicted squared relative gradient error, summed over

@@ -4,9 +4,9 @@
 holds at once besides them; this module holds the parts the trace's units do
 not: the graph's outputs and the loss's own peak, each backward segment's
 gradient workspace (the widest activation's gradient, or a weight's partial
-gradient, and the gradient flowing between layers) and the weights'
-gradients made so far (``StepTerms``), and the parts of the worst moment
-(``PeakParts``).
+gradient, and the gradient flowing between layers), the weights' gradients
+made so far, the segments whose kept bytes backward has already freed
+(``StepTerms``), and the parts of the worst moment (``PeakParts``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,23 @@ class StepTerms:
     #: The end of backward: outputs and their gradient, every weight's
     #: gradient (the embedding's, made last, included).
     end_bytes: int = 0
-    #: Per segment: the weights' gradients alive in its backward (its own and
-    #: those of every segment backward meets before it; every weight's when
-    #: the update accumulates gradients).
+    #: Per segment: the weights' gradients alive in its backward: those this
+    #: backward made so far (its own and those of every segment backward meets
+    #: before it), plus ``held_gradient_bytes``. A compiled backward returns
+    #: its new gradients only at its end, so they are alive beside the
+    #: accumulated ``.grad`` until then.
     weight_gradient_bytes: Mapping[str, int] = field(default_factory=dict)
     #: Weight gradients alive from the step's start: every weight's when the
     #: update accumulates gradients over microbatches (the earlier
     #: microbatches made them), else 0.
     held_gradient_bytes: int = 0
+    #: Per segment: the layer segments backward has finished before it. Their
+    #: kept bytes are freed by then: backward releases a saved activation
+    #: after its last use (autograd's saved tensors; Inductor's backward
+    #: frees its inputs as it goes), and no later segment reads a layer's
+    #: units. ``outside`` holds the head's units and those read last (the
+    #: embedding's side), so it is never counted freed.
+    passed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def backward_bytes(self) -> dict[str, int]:
@@ -60,36 +69,51 @@ class StepTerms:
         gradient workspace and the weights' gradients."""
         return {g: self.recovering(g, 0) for g in self.gradient_bytes}
 
+    @property
+    def layer_segments(self) -> tuple[str, ...]:
+        """The segments whose kept bytes are freed by the end of backward: every one but ``outside``."""
+        return tuple(g for g in self.gradient_bytes if g != "outside")
+
+    def freed(self, segment: str, kept: Mapping[str, int]) -> int:
+        """Kept bytes backward has freed when it reaches ``segment`` (``"end"``:
+        the end of backward), with ``kept``: a plan's kept bytes per segment."""
+        done = self.layer_segments if segment == "end" else self.passed.get(segment, ())
+        return sum(kept.get(g, 0) for g in done)
+
     def recovering(self, segment: str, workspace: int) -> int:
         """What the backward of ``segment`` holds besides kept and rebuilt bytes
         while a recompute ``workspace`` is alive."""
         return (2 * self.output_bytes + self.weight_gradient_bytes.get(segment, 0)
                 + max(workspace, self.gradient_bytes.get(segment, 0)))
 
-    def floor(self) -> int:
-        """The least the step adds to kept bytes, whatever is rebuilt."""
-        return max([self.loss_phase_bytes, self.end_bytes, *self.backward_bytes.values()])
+    def floor(self, kept: Mapping[str, int] | None = None) -> int:
+        """The least the step adds to kept bytes, whatever is rebuilt, for a
+        plan keeping ``kept`` bytes per segment (None: none freed)."""
+        return max(p.total for p in self.phases(kept))
 
     @property
     def loss_phase_bytes(self) -> int:
         """What the loss's forward and backward hold besides kept bytes."""
         return self.output_bytes + self.loss_bytes + self.held_gradient_bytes
 
-    def phases(self) -> list[PeakParts]:
-        """What the step holds besides kept bytes in each phase with nothing rebuilt (``floor``'s parts)."""
+    def phases(self, kept: Mapping[str, int] | None = None) -> list[PeakParts]:
+        """What the step holds besides kept bytes in each phase with nothing
+        rebuilt (``floor``'s parts), for a plan keeping ``kept`` bytes per segment."""
+        kept = kept or {}
         return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes,
                           weight_gradients=self.held_gradient_bytes),
                 PeakParts(at="end of backward", outputs=2 * self.output_bytes,
-                          weight_gradients=self.end_bytes - 2 * self.output_bytes),
-                *(self.segment(g) for g in self.gradient_bytes)]
+                          weight_gradients=self.end_bytes - 2 * self.output_bytes, freed=self.freed("end", kept)),
+                *(self.segment(g, freed=self.freed(g, kept)) for g in self.gradient_bytes)]
 
-    def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0) -> PeakParts:
+    def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0, freed: int = 0) -> PeakParts:
         """What the backward of ``segment`` holds besides kept bytes, with
-        ``rebuilt`` bytes of units and a recompute ``workspace`` alive."""
+        ``rebuilt`` bytes of units and a recompute ``workspace`` alive and
+        ``freed`` kept bytes already released (``StepTerms.freed``)."""
         return PeakParts(at=f"backward of {segment}", rebuilt=rebuilt,
                          workspace=max(workspace, self.gradient_bytes.get(segment, 0)),
                          weight_gradients=self.weight_gradient_bytes.get(segment, 0),
-                         outputs=2 * self.output_bytes)
+                         outputs=2 * self.output_bytes, freed=freed)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,10 +132,13 @@ class PeakParts:
     weight_gradients: int = 0
     #: The graph's outputs and their gradient, or the outputs and the loss's own peak.
     outputs: int = 0
+    #: Kept bytes backward has already freed there (segments it has finished);
+    #: subtracted, so ``total`` is what the step holds beyond the plan's kept bytes.
+    freed: int = 0
 
     @property
     def total(self) -> int:
-        return self.rebuilt + self.workspace + self.weight_gradients + self.outputs
+        return self.rebuilt + self.workspace + self.weight_gradients + self.outputs - self.freed
 
 
 def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batch: int, seq_len: int,
@@ -119,34 +146,39 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
     """The step's terms at (batch, seq_len) (module docstring); ``flowing``: the
     bytes of the gradient passed between layers; ``accumulate_gradients``: the
     step is a microbatch of an update that sums gradients over several, so
-    every weight's gradient is alive from its start."""
+    every weight's gradient is alive from its start, beside the new ones."""
     outputs = size_at(trace.output_bytes, batch, seq_len)
     grads = trace.param_bytes
+    held = sum(grads.values()) if accumulate_gradients else 0
     layers = sorted(us[0].layer for g, us in segments.items() if g != "outside")
     gradient: dict[str, int] = {}
     weights: dict[str, int] = {}
+    passed: dict[str, tuple[str, ...]] = {}
     for g, us in segments.items():
         # Backward meets the head (outside) first, then the layers from the last one.
         so_far = grads.get("outside", 0)
+        passed[g] = ()
         if g != "outside":
             so_far += sum(grads.get(group_of(i), 0) for i in layers if i >= us[0].layer)
+            passed[g] = tuple(group_of(i) for i in layers if i > us[0].layer)
         # The widest activation's gradient, or a partial gradient of a weight
         # several ops read (a chunked lm_head's, made from the chunk's logits'
         # gradient once the rebuilt logits are consumed).
         gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
-        weights[g] = sum(grads.values()) if accumulate_gradients else so_far
-    end = 2 * outputs + sum(grads.values())
-    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), gradient_bytes=gradient, end_bytes=end, weight_gradient_bytes=weights,
-                     held_gradient_bytes=sum(grads.values()) if accumulate_gradients else 0)
+        weights[g] = held + so_far
+    end = 2 * outputs + held + sum(grads.values())
+    return StepTerms(output_bytes=outputs, loss_bytes=round(loss_ratio * outputs), gradient_bytes=gradient,
+                     end_bytes=end, weight_gradient_bytes=weights, held_gradient_bytes=held, passed=passed)
 
 
-def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms) -> int:
-    """What GC's step holds at its worst moment besides its kept bytes: the loss,
-    or a layer's backward with that layer rebuilt (``rebuilt``: ``_gc_parts``).
+def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms, kept: Mapping[str, int]) -> int:
+    """What GC's step holds at its worst moment besides its kept bytes (``kept``
+    per segment): the loss, the end of backward, or a layer's backward with
+    that layer rebuilt (``rebuilt``: ``_gc_parts``).
 
     The whole layer is alive at once: GC recomputes every unit of it, so each
     is rebuilt with its recomputed readers, back to the layer's first cut
     (``rebuilt_from``)."""
-    return max([step.loss_phase_bytes,
-                *(held + step.recovering(g, workspace) for g, (held, workspace) in rebuilt.items()),
-                *(v for g, v in step.backward_bytes.items() if g not in rebuilt)])
+    return max([*(p.total for p in step.phases(kept) if p.at in ("loss", "end of backward")),
+                *(held + step.recovering(g, workspace) - step.freed(g, kept) for g, (held, workspace) in rebuilt.items()),
+                *(v - step.freed(g, kept) for g, v in step.backward_bytes.items() if g not in rebuilt)])

@@ -63,6 +63,33 @@ def test_actor_worker_frees_gradients_before_each_measured_update():
     assert len(worker.measure(3)) == 3 and fresh == [True, True, True]
 
 
+def test_actor_worker_reports_its_tensor_peak_as_the_gc_reference(tmp_path):
+    """GC's tensor peak (the allocator's), not its VmHWM, is what ``x-gc``
+    budgets multiply: the plans' memory model predicts tensor bytes."""
+    from hilore_compiler.bench.actor import ActorBenchConfig, _tensor_peak
+    from hilore_compiler.bench.actor_worker import ActorWorker
+    from hilore_compiler.bench.runner import MethodRun
+
+    worker = ActorWorker.__new__(ActorWorker)  # setup() alone: no compile
+    worker.model, worker.config = build_model("tiny"), ActorBenchConfig(model="tiny", warmup=1)
+    worker.grad_path, worker.info = str(tmp_path / "grad.pt"), dict
+
+    def update() -> None:
+        scratch = torch.ones(1 << 20)  # 4 MB alive for a moment
+        for p in worker.model.parameters():
+            p.grad = torch.ones_like(p) * scratch[0]
+
+    worker.step = update
+    reply = worker.setup()
+    grads = sum(p.numel() * 4 for p in worker.model.parameters())
+    assert reply["info"]["tensor_peak_bytes"] >= (4 << 20) + grads  # the scratch beside every gradient
+    gc = MethodRun(method="gc", grad_path="")
+    gc.info = reply["info"]
+    assert _tensor_peak(gc) == reply["info"]["tensor_peak_bytes"]
+    gc.status = "failed"
+    assert _tensor_peak(gc) is None
+
+
 def test_actor_update_table_and_cli():
     from hilore_compiler.bench.actor_report import format_table
     from hilore_compiler.commands.bench import actor_config_from_args
@@ -76,11 +103,12 @@ def test_actor_update_table_and_cli():
            "paired_vs_gc": {"ratio": 1.2, "low": 1.1, "high": 1.31, "rounds": 4},
            "paired_vs_blind": {"ratio": 1.1, "low": None, "high": None, "rounds": 1},
            "peak_vs_gc": 1.05, "cosine": 0.9999994, "rel_l2": 1.1e-3, "predicted_rel_l2": 1.0e-3,
+           "tensor_peak_bytes": 4.4e6, "predicted_peak_bytes": 4.5e6,
            "info": {"samples_skipped": 16, "microbatches": 9}}
     failed = {**row, "method": "gc", "label": "GC", "status": "failed", "error": "boom\nmore"}
     table = format_table({"rows": [row, failed]})
-    assert ("| HiLoRe, buckets + zero skip | 1234 | 1.200 [1.100, 1.310] | 1.100 | 5.0 | 1.050 | 0.999999 | "
-            "1.1e-03 / 1.0e-03 | 16 | 9 |") in table
+    assert ("| HiLoRe, buckets + zero skip | 1234 | 1.200 [1.100, 1.310] | 1.100 | 5.0 | 1.050 | 4.4 / 4.5 | "
+            "0.999999 | 1.1e-03 / 1.0e-03 | 16 | 9 |") in table
     assert "failed: boom" in table
 
 
@@ -110,8 +138,11 @@ def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
         return r
 
     runs = {"gc": run("gc", 1.0), "hilore-blind": run("hilore-blind", 1.1), "hilore-skip": run("hilore-skip", 1.25)}
-    plans = {"info": {"blind": {"predicted_error": 0.0}, "buckets": {"predicted_error": 0.0}}, "mix": []}
+    plans = {"info": {"blind": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 7}}},
+                      "buckets": {"predicted_error": 0.0, "buckets": {"zero": {"memory_bytes": 0},
+                                                                      "b0": {"memory_bytes": 9}}}}, "mix": []}
     rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
+    assert [rows[m]["predicted_peak_bytes"] for m in ("gc", "hilore-blind", "hilore-skip")] == [None, 7, 9]
     skip = rows["hilore-skip"]
     assert skip["paired_vs_gc"]["ratio"] == pytest.approx(1.25) and skip["paired_vs_gc"]["rounds"] == 3
     assert skip["paired_vs_gc"]["high"] - skip["paired_vs_gc"]["low"] == pytest.approx(0, abs=1e-9)

@@ -48,7 +48,6 @@ from .runner import (
     compare_grads,
     describe,
     measure_rounds,
-    warm_peak,
 )
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
@@ -220,7 +219,7 @@ def loss_ratio(policy: torch.nn.Module, batch: RolloutBatch, config: ActorBenchC
 def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
                 gc_peak_bytes: int | None = None) -> dict[str, Any]:
     """Trace the policy at the microbatch shape and solve the bucketed and the blind plan,
-    with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak) when given."""
+    with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak in tensor bytes) when given."""
     from ..evaluation.arms import trace_policy
     from ..models import build_model
     from ..solver import predicted_error, solve
@@ -284,8 +283,17 @@ def start(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir:
     return run
 
 
-def _peak(run: MethodRun | None) -> int | None:
-    peak = warm_peak(run)
+def _tensor_peak(run: MethodRun | None) -> int | None:
+    """GC's update peak in tensor bytes (``actor_worker.setup``), the reference of ``x-gc`` budgets.
+
+    Tensor bytes, not the VmHWM peak the table shows: the plans' memory model
+    predicts tensor bytes (within 0.1% of the allocator's peak for the
+    bf16/int8 plans), and a VmHWM reference would hand the plans GC's own
+    heap (about 1 MB, 2% of GC's peak here) as room they then overran.
+    """
+    if run is None or run.status != "ok":
+        return None
+    peak = run.info.get("tensor_peak_bytes")
     return None if peak is None else int(peak)
 
 
@@ -303,7 +311,7 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.
         for method in (m for m in BASELINES if m in config.methods):
             runs[method] = start(config, method, {}, run_dir, env, progress)
-        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=_peak(runs.get("gc")))
+        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=_tensor_peak(runs.get("gc")))
         for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
         measure_rounds(list(runs.values()), config, progress)

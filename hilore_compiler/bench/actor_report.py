@@ -2,7 +2,10 @@
 
 Throughput is the batch's tokens (B x T, skipped samples included) per second
 of the whole update, the median over the measured updates of all rounds;
-peak memory is the median per-update peak (``measure.py``'s definition).
+peak memory is the median per-update peak (``measure.py``'s definition: the
+process's VmHWM); the tensor peak is one update's by the allocator, what the
+plans' memory model predicts (``predicted_peak_bytes``: the plan's largest
+bucket).
 Speed ratios to GC and to the exposure-blind plan are paired by round with
 a 95% interval (``paired.py``): the methods of one round ran back to back.
 """
@@ -52,6 +55,9 @@ def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: d
         "cosine": None if run.fidelity is None else run.fidelity["cosine"],
         "rel_l2": None if run.fidelity is None else run.fidelity["rel_l2"],
         "predicted_rel_l2": None if plan is None else plans["info"][plan]["predicted_error"],
+        "tensor_peak_bytes": run.info.get("tensor_peak_bytes"),
+        "predicted_peak_bytes": None if plan is None else max(
+            b["memory_bytes"] for b in plans["info"][plan]["buckets"].values()),
         "compile_s": run.compile_s, "info": run.info,
     }
 
@@ -80,22 +86,27 @@ def _interval(paired: dict[str, Any] | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """A markdown table of the rows, as the README shows it."""
-    head = ("| method | tokens/s (median) | x GC [95% CI] | x blind [95% CI] | peak MB | x GC peak | grad cosine "
-            "| rel. L2 (measured / predicted) | skipped | microbatches |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| method | tokens/s (median) | x GC [95% CI] | x blind [95% CI] | peak MB | x GC peak "
+            "| tensor MB (measured / predicted) | grad cosine | rel. L2 (measured / predicted) | skipped "
+            "| microbatches |")
+    lines = [head, "|" + "---|" * 11]
     for r in report["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} ||||||||| ")
+            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} |||||||||| ")
             continue
 
         def num(value: float | None, fmt: str) -> str:
             return "-" if value is None else format(value, fmt)
+
+        def megabytes(value: float | None) -> str:
+            return num(value and value / 1e6, ".1f")
 
         predicted = num(r["predicted_rel_l2"], ".1e")
         lines.append(
             f"| {r['label']} | {num(r['tokens_per_s'] and r['tokens_per_s']['median'], '.0f')} | "
             f"{_interval(r.get('paired_vs_gc'))} | {_interval(r.get('paired_vs_blind'))} | "
             f"{num(r['peak_bytes'] and r['peak_bytes']['median'] / 1e6, '.1f')} | "
-            f"{num(r['peak_vs_gc'], '.3f')} | {num(r['cosine'], '.6f')} | {num(r['rel_l2'], '.1e')} / "
+            f"{num(r['peak_vs_gc'], '.3f')} | {megabytes(r.get('tensor_peak_bytes'))} / "
+            f"{megabytes(r.get('predicted_peak_bytes'))} | {num(r['cosine'], '.6f')} | {num(r['rel_l2'], '.1e')} / "
             f"{predicted} | {r['info'].get('samples_skipped', '-')} | {r['info'].get('microbatches', '-')} |")
     return "\n".join(lines)

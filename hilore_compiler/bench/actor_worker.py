@@ -25,7 +25,7 @@ from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
 from ..models import build_model
 from ..planfile import load_plan
 from .actor import ActorBenchConfig, loss_config, make_batch
-from .measure import StepSample, measure_step
+from .measure import StepSample, allocator_peak, measure_step
 from .methods import wrap_layers
 from .worker import flat_grad, serve_requests
 
@@ -87,11 +87,15 @@ class ActorWorker:
         self.step()  # compiles every variant the update meets
         compile_s = time.perf_counter() - start
         warmup = self.measure(self.config.warmup)
+        # The peak in tensor bytes, what the memory model predicts: VmHWM
+        # (``measure``) also counts the process's own heap, about 1 MB here.
+        self.model.zero_grad(set_to_none=True)
+        tensor_peak = allocator_peak(self.step)
         self.model.zero_grad(set_to_none=True)
         self.step()
         torch.save(flat_grad(self.model).cpu(), self.grad_path)
         return {"compile_s": compile_s, "warmup": [dataclasses.asdict(s) for s in warmup],
-                "info": self.info()}
+                "info": {**self.info(), "tensor_peak_bytes": tensor_peak}}
 
     def info(self) -> dict[str, Any]:
         """What the last update did: samples per bucket, skips, microbatches, understated exposures."""

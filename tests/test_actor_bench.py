@@ -66,13 +66,13 @@ def test_actor_worker_frees_gradients_before_each_measured_update():
 def test_actor_worker_reports_its_tensor_peak_as_the_gc_reference(tmp_path):
     """GC's tensor peak (the allocator's), not its VmHWM, is what ``x-gc``
     budgets multiply: the plans' memory model predicts tensor bytes."""
-    from hilore_compiler.bench.actor import ActorBenchConfig, _tensor_peak
+    from hilore_compiler.bench.actor import ActorBenchConfig, tensor_peak
     from hilore_compiler.bench.actor_worker import ActorWorker
-    from hilore_compiler.bench.runner import MethodRun
+    from hilore_compiler.bench.runner import WorkerError
+    from hilore_compiler.bench.worker import _handle
 
-    worker = ActorWorker.__new__(ActorWorker)  # setup() alone: no compile
-    worker.model, worker.config = build_model("tiny"), ActorBenchConfig(model="tiny", warmup=1)
-    worker.grad_path, worker.info = str(tmp_path / "grad.pt"), dict
+    worker = ActorWorker.__new__(ActorWorker)  # tensor_peak() alone: no compile
+    worker.model = build_model("tiny")
 
     def update() -> None:
         scratch = torch.ones(1 << 20)  # 4 MB alive for a moment
@@ -80,14 +80,24 @@ def test_actor_worker_reports_its_tensor_peak_as_the_gc_reference(tmp_path):
             p.grad = torch.ones_like(p) * scratch[0]
 
     worker.step = update
-    reply = worker.setup()
+    peak = _handle(worker, {"cmd": "tensor_peak"})["tensor_peak_bytes"]
     grads = sum(p.numel() * 4 for p in worker.model.parameters())
-    assert reply["info"]["tensor_peak_bytes"] >= (4 << 20) + grads  # the scratch beside every gradient
-    gc = MethodRun(method="gc", grad_path="")
-    gc.info = reply["info"]
-    assert _tensor_peak(gc) == reply["info"]["tensor_peak_bytes"]
-    gc.status = "failed"
-    assert _tensor_peak(gc) is None
+    assert peak >= (4 << 20) + grads  # the scratch beside every gradient
+
+    class Process:  # the driver's side of the pipe
+        def __init__(self, reply):
+            self.reply = reply
+
+        def request(self, cmd):
+            if isinstance(self.reply, Exception):
+                raise self.reply
+            return self.reply
+
+    said = []
+    config = ActorBenchConfig(model="tiny")
+    assert tensor_peak(config, "gc", tmp_path, {}, said.append, Process({"tensor_peak_bytes": peak})) == peak
+    assert tensor_peak(config, "gc", tmp_path, {}, said.append, Process(WorkerError("boom"))) is None
+    assert said == ["gc: no tensor peak: boom"]
 
 
 def test_actor_update_table_and_cli():

@@ -283,18 +283,30 @@ def start(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir:
     return run
 
 
-def _tensor_peak(run: MethodRun | None) -> int | None:
-    """GC's update peak in tensor bytes (``actor_worker.setup``), the reference of ``x-gc`` budgets.
+def tensor_peak(config: ActorBenchConfig, method: str, run_dir: Path, env: dict[str, str],
+                progress: Progress, worker: ActorWorkerProcess | None = None) -> int | None:
+    """``method``'s update peak in tensor bytes (``ActorWorker.tensor_peak``); None if it failed.
 
-    Tensor bytes, not the VmHWM peak the table shows: the plans' memory model
+    GC's is the reference of ``x-gc`` budgets: the plans' memory model
     predicts tensor bytes (within 0.1% of the allocator's peak for the
     bf16/int8 plans), and a VmHWM reference would hand the plans GC's own
     heap (about 1 MB, 2% of GC's peak here) as room they then overran.
+    Without ``worker`` it runs in a process of its own, since profiling
+    perturbs the VmHWM peaks measured after it.
     """
-    if run is None or run.status != "ok":
+    own = worker is None
+    try:
+        if own:
+            payload = {"config": dataclasses.asdict(config), "method": method, "plans": {},
+                       "grad_path": str(run_dir / f"grad-{method}-probe.pt")}
+            worker = ActorWorkerProcess(payload, env=env, log_path=run_dir / f"{method}-tensor-peak.log")
+        return int(worker.request("tensor_peak")["tensor_peak_bytes"])
+    except WorkerError as e:
+        progress(f"{method}: no tensor peak: {str(e).splitlines()[0]}")
         return None
-    peak = run.info.get("tensor_peak_bytes")
-    return None if peak is None else int(peak)
+    finally:
+        if own and worker is not None:
+            worker.close()
 
 
 def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
@@ -311,10 +323,16 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.
         for method in (m for m in BASELINES if m in config.methods):
             runs[method] = start(config, method, {}, run_dir, env, progress)
-        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=_tensor_peak(runs.get("gc")))
+        gc_peak = None
+        if runs.get("gc") is not None and runs["gc"].status == "ok":
+            progress("gc: measuring its update's tensor peak (the x-gc reference) in a process of its own")
+            gc_peak = tensor_peak(config, "gc", run_dir, env, progress)
+        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=gc_peak)
         for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
         measure_rounds(list(runs.values()), config, progress)
+        for run in (r for r in runs.values() if r.worker is not None):
+            run.info["tensor_peak_bytes"] = tensor_peak(config, run.method, run_dir, env, progress, run.worker)
     finally:
         close_workers(runs.values())
     compare_grads(runs)

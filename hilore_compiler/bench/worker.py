@@ -215,6 +215,8 @@ def _handle(worker: Any, request: dict[str, Any]) -> dict[str, Any]:
         return worker.setup()
     if request["cmd"] == "measure":
         return {"samples": [dataclasses.asdict(s) for s in worker.measure(int(request["steps"]))]}
+    if request["cmd"] == "tensor_peak" and hasattr(worker, "tensor_peak"):
+        return worker.tensor_peak()
     raise ValueError(f"unknown worker command {request['cmd']!r}")
 
 

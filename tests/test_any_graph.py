@@ -88,9 +88,11 @@ def test_graph_that_saves_nothing_compiles():
 
 
 def test_recompute_really_happens_on_a_float_input_model():
+    # Below store-all's peak: on blocks this small, with backward freeing the
+    # blocks it has finished, store-all fits within GC's own peak.
     torch.manual_seed(0)
     model = Blocks()
-    backend = _compile_and_compare(model, torch.randn(2, 8, 16), options={"memory_budget": "1.0x-gc"})
+    backend = _compile_and_compare(model, torch.randn(2, 8, 16), options={"memory_budget": "0.98x-store"})
     (record,) = backend.graphs[0].records
     assert record.counts["recompute"] > 0
     assert record.saved_bytes < record.default_saved_bytes
@@ -99,7 +101,7 @@ def test_recompute_really_happens_on_a_float_input_model():
 def test_graph_break_gets_a_plan_per_graph_zero_config():
     torch.manual_seed(0)
     model = Blocks(4, graph_break=True)
-    backend = _compile_and_compare(model, torch.randn(2, 8, 16), options={"memory_budget": "1.0x-gc"})
+    backend = _compile_and_compare(model, torch.randn(2, 8, 16), options={"memory_budget": "0.98x-store"})
     assert len(backend.graphs) == 2
     assert all(g.plan is not None and g.records[0].counts["recompute"] > 0 for g in backend.graphs)
 

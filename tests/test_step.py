@@ -52,7 +52,7 @@ def hf_llama() -> torch.nn.Module:
 
 
 #: name -> (build, vocab, chunk_tokens of the compiled step, checkpoint_chunks); one layer
-#: where two add nothing: compiles are the cost (two for tiny, whose 1.0x-gc plan must
+#: where two add nothing: compiles are the cost (two for tiny, whose plan must
 #: recompute something). "tiny-planned" leaves its chunks' logits to the planner.
 MODELS = {
     "tiny": (lambda: build_model("tiny"), 256, None, True),
@@ -68,7 +68,9 @@ def compiled(request, tmp_path_factory):
     build, vocab, chunk, checkpoint_chunks = MODELS[request.param]
     model = build()
     cache = tmp_path_factory.mktemp(request.param)  # keeps the trace for inspection
-    backend = HiLoReBackend({"codecs": [], "memory_budget": "1.0x-gc", "buckets": 1, "verbose": False,
+    # Just below store-all's peak: something is recomputed (on steps this small,
+    # with backward freeing the layers it has finished, store-all can fit GC's peak).
+    backend = HiLoReBackend({"codecs": [], "memory_budget": "0.98x-store", "buckets": 1, "verbose": False,
                              "cache_dir": str(cache)})
     step = compiled_step(model, LOSS, backend=backend, chunk_tokens=chunk, checkpoint_chunks=checkpoint_chunks)
     got = step_grads(model, step, vocab)
@@ -91,7 +93,7 @@ def test_loss_side_is_planned(compiled):
     if name == "tiny":  # unchunked: the (N, V) logits are the lm_head unit
         (head,) = [u for u in graph.plan.units if u.key.startswith("lm_head:")]
         assert head.bytes == BATCH * SEQ * 256 * 4
-        assert graph.records[0].counts["recompute"] > 0  # 1.0x-gc: something is recomputed
+        assert graph.records[0].counts["recompute"] > 0  # below store-all: something is recomputed
 
 
 def test_chunk_logits_are_units_only_without_checkpoint(compiled):

@@ -179,6 +179,7 @@ def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms, kept: Mapp
     The whole layer is alive at once: GC recomputes every unit of it, so each
     is rebuilt with its recomputed readers, back to the layer's first cut
     (``rebuilt_from``)."""
-    return max([*(p.total for p in step.phases(kept) if p.at in ("loss", "end of backward")),
-                *(held + step.recovering(g, workspace) - step.freed(g, kept) for g, (held, workspace) in rebuilt.items()),
-                *(v - step.freed(g, kept) for g, v in step.backward_bytes.items() if g not in rebuilt)])
+    # A rebuilt layer's phase only adds to the same phase with nothing rebuilt (``phases``).
+    return max([*(p.total for p in step.phases(kept)),
+                *(step.segment(g, rebuilt=held, workspace=workspace, freed=step.freed(g, kept)).total
+                  for g, (held, workspace) in rebuilt.items())])

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hilore_compiler.backend import HiLoReBackend
-from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, allocation_deltas, measure_cpu
+from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, allocation_trail, measure_cpu
 from hilore_compiler.bench.methods import wrap_layers
 from hilore_compiler.grpo import GRPOConfig, compiled_step
 from hilore_compiler.models import build_model, token_logprobs
@@ -38,15 +38,10 @@ from hilore_compiler.models import build_model, token_logprobs
 BATCH, SEQ, CHUNK, MB = 2, 256, 128, 1e6
 
 
-def allocation_trail(step) -> tuple[int, list[tuple[int, int, bool]]]:
+def large_allocations(step) -> tuple[int, list[tuple[int, int, bool]]]:
     """(peak bytes the allocator held during ``step()``, [(delta, running total, at peak)] for
     allocations and frees of 10 MB or more)."""
-    total = peak = 0
-    running = []
-    for delta in allocation_deltas(step):
-        total += delta
-        peak = max(peak, total)
-        running.append((delta, total))
+    peak, running = allocation_trail(step)
     return peak, [(d, t, t == peak) for d, t in running if abs(d) >= 10 * MB]
 
 
@@ -61,7 +56,7 @@ def run(name: str, model: torch.nn.Module, step_fn, batch) -> int:
     model.zero_grad(set_to_none=True)
     measured = measure_cpu(step).peak_bytes
     model.zero_grad(set_to_none=True)
-    counted, trail = allocation_trail(step)
+    counted, trail = large_allocations(step)
     print(f"== {name}: measured peak {measured / MB:.1f} MB (VmHWM), {counted / MB:.1f} MB (allocator)")
     print("   allocations >= 10 MB (delta -> running total, * at the peak): " + ", ".join(
         f"{d / MB:+.0f}->{t / MB:.0f}{'*' if p else ''}" for d, t, p in trail))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hilore_compiler.bench.actor import ActorBenchConfig, solve_plans
 from hilore_compiler.bench.actor_worker import ActorWorker
-from hilore_compiler.bench.measure import allocation_deltas
+from hilore_compiler.bench.measure import allocation_trail
 from hilore_compiler.planfile import load_plan
 
 MB = 1e6
@@ -35,19 +35,16 @@ def worker(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir
 
 
 def trail(w: ActorWorker, name: str) -> int:
-    """Print one update's allocator peak and the trail around it; returns the peak."""
-    peak = w.tensor_peak()["tensor_peak_bytes"]
-    deltas = allocation_deltas(w.step)  # warm by now: the same update again, gradients fresh
+    """Print one update's allocator peak (``ActorWorker.tensor_peak``'s measure) and the
+    trail around it; returns the peak."""
+    w.warm()
+    peak, running = allocation_trail(w.step)
     w.model.zero_grad(set_to_none=True)
-    total, at, running = 0, 0, []
-    for i, d in enumerate(deltas):
-        total += d
-        running.append(total)
-        at = i if total > running[at] else at
-    print(f"== {name}: allocator peak {peak / MB:.2f} MB at event {at} of {len(deltas)}")
-    near = range(max(0, at - 60), min(len(deltas), at + 30))
-    print("   " + " ".join(f"{deltas[j] / MB:+.2f}{'*' if j == at else ''}" for j in near
-                          if abs(deltas[j]) >= 0.2 * MB or j == at))
+    at = max(range(len(running)), key=lambda i: running[i][1], default=0)  # the first event at the peak
+    print(f"== {name}: allocator peak {peak / MB:.2f} MB at event {at} of {len(running)}")
+    near = range(max(0, at - 60), min(len(running), at + 30))
+    print("   " + " ".join(f"{running[j][0] / MB:+.2f}{'*' if j == at else ''}" for j in near
+                          if abs(running[j][0]) >= 0.2 * MB or j == at))
     return peak
 
 

@@ -101,11 +101,16 @@ class ActorWorker:
         peaks read 4 MB higher: ask for this only after the measured rounds,
         or in a process that measures nothing else.
         """
-        for _ in range(2):  # compile (a fresh process) and warm up every variant
+        self.warm()
+        return {"tensor_peak_bytes": allocator_peak(self.step)}
+
+    def warm(self) -> None:
+        """Two updates, gradients freed before each and after: the first compiles in a fresh
+        process, and together they meet every variant the update runs."""
+        for _ in range(2):
             self.model.zero_grad(set_to_none=True)
             self.step()
         self.model.zero_grad(set_to_none=True)
-        return {"tensor_peak_bytes": allocator_peak(self.step)}
 
     def info(self) -> dict[str, Any]:
         """What the last update did: samples per bucket, skips, microbatches, understated exposures."""

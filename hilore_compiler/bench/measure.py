@@ -179,14 +179,22 @@ def allocation_deltas(step: Callable[[], object]) -> list[int]:
     return [nbytes for _, nbytes in events]
 
 
-def allocator_peak(step: Callable[[], object]) -> int:
-    """Peak bytes the CPU allocator held above the start of ``step()`` (``allocation_deltas``):
-    for a process started without ``MMAP_THRESHOLD_ENV``, where VmHWM is not a measure."""
+def allocation_trail(step: Callable[[], object]) -> tuple[int, list[tuple[int, int]]]:
+    """(peak bytes the CPU allocator held above the start of ``step()``, [(delta, running total)]
+    per allocation and free in time order), from ``allocation_deltas``."""
     total = peak = 0
+    running = []
     for nbytes in allocation_deltas(step):
         total += nbytes
         peak = max(peak, total)
-    return peak
+        running.append((nbytes, total))
+    return peak, running
+
+
+def allocator_peak(step: Callable[[], object]) -> int:
+    """Peak bytes the CPU allocator held above the start of ``step()`` (``allocation_trail``):
+    for a process started without ``MMAP_THRESHOLD_ENV``, where VmHWM is not a measure."""
+    return allocation_trail(step)[0]
 
 
 def plan_loss_ratio(ratio: float) -> float:

@@ -101,6 +101,20 @@ def test_infeasible_budget_names_the_smallest_feasible_one(seed):
         parse_budget(ratio).bytes_at(gc_bytes=_model(trace).gc_bytes, store_bytes=0)
 
 
+def test_infeasible_budget_relative_to_measured_gc_names_a_ratio_of_it():
+    """With ``gc_peak_bytes``, the smallest feasible budget's ``x-gc`` is a
+    multiple of that measured peak, the one the budget was read against."""
+    trace = random_trace(100, num_units=5)
+    least = min(m for m, _ in brute_force(trace, 1.0, RISK))
+    measured = 2 * _model(trace).gc_bytes  # far from the prediction, so the two ratios differ
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(trace, "0.01x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
+    ratio = re.search(r"(\d+\.\d+)x-gc", str(info.value).split("smallest")[1])[1]
+    assert float(ratio) == pytest.approx(least / measured, abs=1e-3)
+    plan = solve(trace, f"{ratio}x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
+    assert plan.bucket("b").memory_bytes <= float(ratio) * measured
+
+
 def test_larger_budget_never_gives_a_slower_plan():
     trace = random_trace(7, num_units=7)
     model = _model(trace)

@@ -126,10 +126,11 @@ def _proxy_note(model: CostModel) -> tuple[bool, tuple[str, ...]]:
 
 
 def _infeasible(model: CostModel, *, budget_text: str, budget_bytes: int, risk_budget: float,
-                need: int, bucket: str) -> InfeasibleBudgetError:
-    """The error for an infeasible budget, naming ``need``, the smallest feasible one."""
+                need: int, bucket: str, gc_bytes: int) -> InfeasibleBudgetError:
+    """The error for an infeasible budget, naming ``need``, the smallest feasible one,
+    also as a multiple of ``gc_bytes``, the GC peak that ``x-gc`` budgets are relative to."""
     # Round the ratio up, so that passing it back as a budget is feasible.
-    ratio = f", {math.ceil(need / model.gc_bytes * 1000) / 1000:.3f}x-gc" if model.gc_bytes > 0 else ""
+    ratio = f", {math.ceil(need / gc_bytes * 1000) / 1000:.3f}x-gc" if gc_bytes > 0 else ""
     return InfeasibleBudgetError(
         f"memory budget {budget_text} ({format_bytes(budget_bytes)}) is infeasible for bucket "
         f"{bucket} (error budget {risk_budget:.3g}) at batch {model.batch}, seq_len "
@@ -165,13 +166,17 @@ def least_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budg
 
 
 def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_text: str,
-                  budget_bytes: int, risk_budget: float, options: SolverOptions,
+                  budget_bytes: int, risk_budget: float, options: SolverOptions, gc_bytes: int | None = None,
                   ) -> tuple[dict[str, dict[str, str]], SolverStats]:
-    """The joint plans (``{bucket: {unit: option}}``), checked; InfeasibleBudgetError if none fit."""
+    """The joint plans (``{bucket: {unit: option}}``), checked; InfeasibleBudgetError if none fit.
+
+    ``gc_bytes``: the GC peak ``x-gc`` budgets are relative to (default: the model's prediction).
+    """
     least = least_memory(model, weights=weights, risk_budget=risk_budget, options=options)
     fits = least.memory_bytes <= budget_bytes
     infeasible = dict(model=model, budget_text=budget_text, budget_bytes=budget_bytes,
-                      risk_budget=risk_budget, need=least.memory_bytes, bucket=least.bucket)
+                      risk_budget=risk_budget, need=least.memory_bytes, bucket=least.bucket,
+                      gc_bytes=model.gc_bytes if gc_bytes is None else gc_bytes)
     if not fits and least.proven:
         raise _infeasible(**infeasible)
     result = solve_min_time(model, budget_bytes=budget_bytes, weights=weights, risk_budget=risk_budget,
@@ -296,7 +301,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
         f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "
         f"error budget {error2:.3g} (cos >= {error2_to_cosine(error2):.6g})")
     plans, stats = solve_buckets(model, weights, budget_text=parsed.text, budget_bytes=budget_bytes,
-                                 risk_budget=error2, options=options)
+                                 risk_budget=error2, options=options, gc_bytes=gc_peak_bytes)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]
     for b in solved:
         say(_summary(b))

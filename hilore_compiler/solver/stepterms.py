@@ -14,13 +14,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from ..tracefile import Trace, eval_size, parse_size
 from ..vocabulary import group_of
 
 if TYPE_CHECKING:
     from .memory import UnitCost
+
+
+#: ``StepTerms.freed``'s name for the end of backward, where every layer segment is done.
+END: Final = "end"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,9 +79,9 @@ class StepTerms:
         return tuple(g for g in self.gradient_bytes if g != "outside")
 
     def freed(self, segment: str, kept: Mapping[str, int]) -> int:
-        """Kept bytes backward has freed when it reaches ``segment`` (``"end"``:
+        """Kept bytes backward has freed when it reaches ``segment`` (``END``:
         the end of backward), with ``kept``: a plan's kept bytes per segment."""
-        done = self.layer_segments if segment == "end" else self.passed.get(segment, ())
+        done = self.layer_segments if segment == END else self.passed.get(segment, ())
         return sum(kept.get(g, 0) for g in done)
 
     def recovering(self, segment: str, workspace: int) -> int:
@@ -103,7 +107,7 @@ class StepTerms:
         return [PeakParts(at="loss", outputs=self.output_bytes + self.loss_bytes,
                           weight_gradients=self.held_gradient_bytes),
                 PeakParts(at="end of backward", outputs=2 * self.output_bytes,
-                          weight_gradients=self.end_bytes - 2 * self.output_bytes, freed=self.freed("end", kept)),
+                          weight_gradients=self.end_bytes - 2 * self.output_bytes, freed=self.freed(END, kept)),
                 *(self.segment(g, freed=self.freed(g, kept)) for g in self.gradient_bytes)]
 
     def segment(self, segment: str, *, rebuilt: int = 0, workspace: int = 0, freed: int = 0) -> PeakParts:

@@ -217,23 +217,35 @@ def loss_ratio(policy: torch.nn.Module, batch: RolloutBatch, config: ActorBenchC
 
 
 def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
-                gc_peak_bytes: int | None = None) -> dict[str, Any]:
+                gc_peak_bytes: int | None = None, calibrated: Path | None = None) -> dict[str, Any]:
     """Trace the policy at the microbatch shape and solve the bucketed and the blind plan,
-    with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak in tensor bytes) when given."""
+    with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak in tensor bytes) when given.
+
+    ``calibrated``: where the calibrated trace is kept. An existing file is
+    read instead of tracing and calibrating again (minutes with int4); it
+    must come from the same ``config``; a missing one is written.
+    """
     from ..evaluation.arms import trace_policy
     from ..models import build_model
     from ..solver import predicted_error, solve
     from ..solver.fixed import exposure_blind_plan
+    from ..tracefile import load_trace
 
     policy = build_model(config.model, seed=config.seed)
-    progress(f"tracing {config.model} at ({config.microbatch}, {config.seq_len})")
-    trace = trace_policy(policy, config.microbatch, config.seq_len, codecs=config.codecs)
     batch = make_batch(policy, config)
     mix = batch_exposures(batch, config)
-    per_unit = [c for c in config.codecs if c in LOSSY_CODECS]
-    progress("calibrating the codecs' gradient error (one unit of each kind at a time"
-             + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
-    trace = calibrate_on(policy, trace, batch, config)
+    if calibrated is not None and Path(calibrated).exists():
+        progress(f"reading the calibrated trace {calibrated}")
+        trace = load_trace(calibrated)
+    else:
+        progress(f"tracing {config.model} at ({config.microbatch}, {config.seq_len})")
+        trace = trace_policy(policy, config.microbatch, config.seq_len, codecs=config.codecs)
+        per_unit = [c for c in config.codecs if c in LOSSY_CODECS]
+        progress("calibrating the codecs' gradient error (one unit of each kind at a time"
+                 + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
+        trace = calibrate_on(policy, trace, batch, config)
+        if calibrated is not None:
+            trace.save(calibrated)
     ratio = loss_ratio(policy, batch, config)
     progress(f"loss side: {ratio:g}x the logits' bytes (eager token log-probs and GRPO loss)")
     # The update sums every microbatch's gradient into .grad: the weights'

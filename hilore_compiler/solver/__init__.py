@@ -9,6 +9,7 @@ a plan is made:
 - ``mix``:     the exposure mix (samples and coefficient mass per bucket).
 - ``memory``:  the memory / time model at a shape; ``simulate`` re-checks plans.
 - ``ilp``:     one ILP over all buckets (PuLP) and the min-memory ILP.
+- ``solving``: how they are solved: bucket by bucket where exact, MIP starts.
 - ``cbc``:     the CBC solver: found, run under a time limit, its bound read.
 - ``planner``: ``solve`` ties them together and verifies every answer.
 - ``fixed``:   plans with given decisions (baselines, controls), checked the

@@ -30,7 +30,9 @@ buckets cannot afford. The second problem here
 minimises the largest bucket memory instead, to name the smallest feasible
 budget when the first is infeasible.
 
-CBC itself (finding it, running it, reading its log) is ``cbc.py``'s.
+How the problems are solved (one bucket at a time where that is exact, MIP
+starts) is ``solving.py``'s; CBC itself (finding it, running it, reading its
+log) is ``cbc.py``'s.
 
 Units inside the ILP: memory in thousandths of the store-all bytes and time in
 thousandths of the slowest plan's time, whatever the model's size. CBC's
@@ -41,50 +43,23 @@ stalls on gaps that are pure round-off; a 41-unit trace in milliseconds did.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pulp
 
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
-from .cbc import NoPlanInTime, SolverOptions, run_cbc
 from .memory import CostModel, Segment
-from .risk import plan_risk
 
 #: Memory and time enter the ILP in thousandths of a reference (see
 #: ``_Formulation.byte_unit``), so coefficients are ~1e-3..1e3 on any model.
 SCALE = 1e3
-#: Relative slack on a byte budget inside the ILP (``_min_time_problem``); far
+#: Relative slack on a byte budget inside the ILP (``min_time_problem``); far
 #: below the planner's re-simulation tolerance, under a byte up to 1 GB.
 BUDGET_SLACK = 1e-9
 #: A binary counts as chosen above this value: CBC returns integers only up to
 #: its integrality tolerance (1e-6), so never compare with ``== 1``.
 CHOSEN = 0.5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IlpResult:
-    """The rounded answer of one ILP and how CBC got there."""
-
-    #: ``{bucket name: {unit key: option}}``.
-    decisions: Mapping[str, Mapping[str, str]]
-    #: ``optimal`` or ``feasible`` (stopped by the time limit).
-    status: str
-    seconds: float
-    #: The objective of ``decisions``: expected seconds (time ILP) or the
-    #: largest bucket's bytes (memory ILP).
-    objective: float
-    #: CBC's proven lower bound on the objective, same units; None if unknown.
-    bound: float | None
-
-    @property
-    def gap(self) -> float | None:
-        """Relative MIP gap: 0 when proven optimal."""
-        if self.bound is None:
-            return None
-        return max(self.objective - self.bound, 0.0) / max(abs(self.objective), 1e-300)
 
 
 def _variable(prob: pulp.LpProblem, name: str, cat: str = pulp.LpContinuous,
@@ -115,7 +90,7 @@ MIN_TIME_WEIGHT = 1e-3
 class _Bucket:
     """One bucket's variables and the rules every plan obeys, inside a shared problem."""
 
-    def __init__(self, problem: _Problem, tag: int) -> None:
+    def __init__(self, problem: JointProblem, tag: int) -> None:
         self.problem, self.model, self.tag = problem, problem.model, tag
         prob = problem.prob
         self.x = {
@@ -251,7 +226,7 @@ class _Bucket:
         return chosen
 
 
-class _Problem:
+class JointProblem:
     """One ILP over every bucket: per-bucket plans, one shared error budget."""
 
     def __init__(self, model: CostModel, name: str, weights: Sequence[BucketWeight]) -> None:
@@ -285,31 +260,14 @@ class _Problem:
             <= risk_budget / scale, "risk_budget"
 
     def decisions(self) -> dict[str, dict[str, str]]:
+        """The solved plans: ``{bucket: {unit key: option}}``."""
         return {name: b.decisions() for name, b in self.buckets.items()}
 
     def set_start(self, start: Mapping[str, Mapping[str, str]]) -> None:
+        """Give CBC ``start`` (``{bucket: {unit key: option}}``) as its MIP start."""
         for name, bucket in self.buckets.items():
             for (key, option), var in bucket.x.items():
                 var.setInitialValue(1 if start[name][key] == option else 0)
-
-
-def _run_cbc(problem: _Problem, options: SolverOptions, scale: float,
-             start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
-    """Solve; None if infeasible. ``scale`` turns the ILP objective into report units.
-
-    ``start``: a feasible plan per bucket CBC begins from (a MIP start). The
-    time limit is per bucket, so the joint problem of n buckets gets n times it.
-    """
-    if start is not None:
-        problem.set_start(start)
-    run = run_cbc(problem.prob, time_limit_s=options.time_limit_s * len(problem.weights), options=options,
-                  warm_start=start is not None)
-    if run is None:
-        return None
-    objective = run.objective * scale
-    bound = objective if run.optimal else None if run.bound is None else run.bound * scale
-    return IlpResult(decisions=problem.decisions(), status="optimal" if run.optimal else "feasible",
-                     seconds=run.seconds, objective=objective, bound=bound)
 
 
 def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
@@ -319,10 +277,10 @@ def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
                for w in weights)
 
 
-def _min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int,
-                      risk_budget: float) -> tuple[_Problem, float]:
+def min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int,
+                      risk_budget: float) -> tuple[JointProblem, float]:
     """The fastest plans within the ceiling and error budget, and its objective's seconds per unit."""
-    problem = _Problem(model, "hilore_min_time", weights)
+    problem = JointProblem(model, "hilore_min_time", weights)
     problem.prob += problem.expected_time()
     # Round-off slack: the terms, scaled, sum to the budget only within ~1e-10
     # of it, and a plan exactly at the budget (the least one) must still fit.
@@ -331,97 +289,12 @@ def _min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budg
     return problem, problem.second_unit
 
 
-def _min_memory_problem(model: CostModel, weights: Sequence[BucketWeight], *,
-                        risk_budget: float) -> tuple[_Problem, float]:
+def min_memory_problem(model: CostModel, weights: Sequence[BucketWeight], *,
+                        risk_budget: float) -> tuple[JointProblem, float]:
     """The plans whose largest bucket memory is least, and its objective's bytes per unit."""
-    problem = _Problem(model, "hilore_min_memory", weights)
+    problem = JointProblem(model, "hilore_min_memory", weights)
     ceiling = _variable(problem.prob, "M_ceiling", low=0)
     problem.prob += ceiling
     problem.every_bucket_fits(ceiling)
     problem.error_within_budget(risk_budget)
     return problem, problem.byte_unit
-
-
-def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callable[..., tuple[_Problem, float]],
-                 combine: Callable[[list[float]], float], *, risk_budget: float,
-                 options: SolverOptions) -> IlpResult | None:
-    """A joint problem solved one bucket at a time, when that is exact.
-
-    Only the error budget couples the buckets. Each bucket alone, given the
-    whole budget, is a relaxation of its part of the joint problem; when the
-    plans found that way add up to no more error than the budget together,
-    they solve the joint problem, whose objective ``combine``s the buckets'
-    (the sum of their times, the largest of their memories) and so does its
-    bound. Otherwise (the budget binds) or if a bucket finds nothing, None:
-    the caller solves the joint problem. Worth it because CBC branches on the
-    alike buckets of a joint problem at once: on the shipped small trace the
-    three-bucket min-memory problem stopped at its 12 s limit unproven, while
-    each bucket alone is solved in well under a second.
-    """
-    if len(weights) < 2:
-        return None
-    parts: list[IlpResult] = []
-    for w in weights:
-        problem, scale = make(model, [w], risk_budget=risk_budget)
-        try:
-            part = _run_cbc(problem, options, scale=scale)
-        except NoPlanInTime:
-            return None
-        if part is None:
-            return None
-        parts.append(part)
-    decisions = {w.name: part.decisions[w.name] for w, part in zip(weights, parts)}
-    if sum(plan_risk(model, decisions[w.name], w.error) for w in weights) > risk_budget:
-        return None
-    bounds = [part.bound for part in parts]
-    return IlpResult(decisions=decisions,
-                     status="optimal" if all(part.status == "optimal" for part in parts) else "feasible",
-                     seconds=sum(part.seconds for part in parts),
-                     objective=combine([part.objective for part in parts]),
-                     bound=None if None in bounds else combine(bounds))
-
-
-def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[BucketWeight],
-                   risk_budget: float, options: SolverOptions,
-                   start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
-    """Fastest plans over the exposure mix within ``budget_bytes`` and the shared
-    error budget; None if infeasible. ``decisions`` maps bucket -> unit -> option.
-
-    ``start``: plans known to satisfy every constraint here (the min-memory
-    ones, or a smaller budget's). CBC starts cold all the same, because its
-    feasibility pump finds better plans than it does from a MIP start; it runs
-    from ``start`` only if it found nothing in time, and ``start`` is returned
-    if CBC stopped early with a slower plan.
-    """
-    make = functools.partial(_min_time_problem, budget_bytes=budget_bytes)
-    result = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
-    if result is None:
-        problem, _ = make(model, weights, risk_budget=risk_budget)
-        try:
-            result = _run_cbc(problem, options, scale=problem.second_unit)
-        except NoPlanInTime:
-            if start is None:
-                raise
-            result = _run_cbc(problem, options, scale=problem.second_unit, start=start)
-    if result is not None and start is not None and result.status != "optimal":
-        # Stopped early: never return plans slower than the known ones.
-        start_s = expected_time_s(model, weights, start)
-        if start_s < result.objective:
-            result = dataclasses.replace(result, decisions={k: dict(v) for k, v in start.items()},
-                                         objective=start_s)
-    return result
-
-
-def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budget: float,
-                     options: SolverOptions) -> IlpResult:
-    """The plans whose largest bucket memory is least, under the same rules and error budget.
-
-    Always feasible: storing every unit satisfies every constraint.
-    """
-    result = _solve_apart(model, weights, _min_memory_problem, max, risk_budget=risk_budget, options=options)
-    if result is None:
-        problem, scale = _min_memory_problem(model, weights, risk_budget=risk_budget)
-        result = _run_cbc(problem, options, scale=scale)
-    if result is None:
-        raise RuntimeError("CBC reports the min-memory problem infeasible, yet store-all satisfies it")
-    return result

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .cbc import SolverOptions, check_cbc
-from .ilp import BucketWeight, solve_min_time
+from .ilp import BucketWeight
+from .solving import solve_min_time
 from .planner import least_memory, prepare, verify, verify_risk
 from .risk import DEFAULT_RISK_BUDGET, parse_risk_budget
 

@@ -21,7 +21,8 @@ from ..tracefile import Trace, load_trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc
-from .ilp import BucketWeight, solve_min_memory, solve_min_time
+from .ilp import BucketWeight
+from .solving import solve_min_memory, solve_min_time
 from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, zero_share
 from .risk import (

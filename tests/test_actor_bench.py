@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,3 +172,34 @@ def test_loss_ratio_counts_the_eager_loss_backward_over_the_logits():
     policy = build_model("tiny", seed=0)
     ratio = loss_ratio(policy, make_batch(policy, config), config)
     assert 2.0 <= ratio <= 4.0 and round(ratio * 10) == ratio * 10
+
+
+def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monkeypatch):
+    """``calibrated=``: the first solve writes the calibrated trace, the next reads it
+    instead of calibrating again (minutes with int4) and solves the same plans."""
+    from hilore_compiler.bench import actor
+    from hilore_compiler.planfile import load_plan
+    from hilore_compiler.tracefile import load_trace
+
+    config = actor.ActorBenchConfig(model="tiny", seq_len=64, prompt_len=16, groups=2, group_size=4,
+                                    budget="1.0x-store")
+    kept = tmp_path / "calibrated.json"
+    said = []
+    # What calibration measures is test_calibration's; here it only has to mark the trace.
+    monkeypatch.setattr(actor, "calibrate_on", lambda policy, trace, batch, config: dataclasses.replace(
+        trace, notes=(*trace.notes, "calibrated here")))
+    first = actor.solve_plans(config, tmp_path, said.append, calibrated=kept)
+    assert any("calibrating" in s for s in said) and "calibrated here" in load_trace(kept).notes
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(actor, "calibrate_on", no_calibration)
+    again_dir = tmp_path / "again"
+    again_dir.mkdir()
+    said.clear()
+    second = actor.solve_plans(config, again_dir, said.append, calibrated=kept)
+    assert said[0] == f"reading the calibrated trace {kept}"
+    for name in ("buckets", "blind"):
+        plans = [load_plan(solved["paths"][name]) for solved in (first, second)]
+        assert [b.decisions for b in plans[0].buckets] == [b.decisions for b in plans[1].buckets]

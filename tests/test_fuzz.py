@@ -160,8 +160,10 @@ def _loaded(load, source: Path, capsys, *show_options: str):
 def _trace_case(payload: dict, folder: Path, capsys) -> None:
     source, output = folder / "trace.json", folder / "plan.json"
     source.write_text(json.dumps(payload))
-    # A trace's show draws a Pareto curve: two points keep it quick.
-    trace = _loaded(load_trace, source, capsys, "--points", "2", "--time-limit", "0.5")
+    # A trace's show draws a Pareto curve: two points keep it quick. The time
+    # limit is only a cap (CBC proves these small ILPs in milliseconds); at
+    # 0.5 s a machine loaded 4x over its cores saw CBC stop with no plan.
+    trace = _loaded(load_trace, source, capsys, "--points", "2", "--time-limit", str(SOLVER.time_limit_s))
     if trace is None:
         return
     try:

@@ -278,7 +278,7 @@ def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
 
 
 def min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int,
-                      risk_budget: float) -> tuple[JointProblem, float]:
+                     risk_budget: float) -> tuple[JointProblem, float]:
     """The fastest plans within the ceiling and error budget, and its objective's seconds per unit."""
     problem = JointProblem(model, "hilore_min_time", weights)
     problem.prob += problem.expected_time()
@@ -290,7 +290,7 @@ def min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budge
 
 
 def min_memory_problem(model: CostModel, weights: Sequence[BucketWeight], *,
-                        risk_budget: float) -> tuple[JointProblem, float]:
+                       risk_budget: float) -> tuple[JointProblem, float]:
     """The plans whose largest bucket memory is least, and its objective's bytes per unit."""
     problem = JointProblem(model, "hilore_min_memory", weights)
     ceiling = _variable(problem.prob, "M_ceiling", low=0)

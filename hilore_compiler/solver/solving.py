@@ -43,9 +43,8 @@ class IlpResult:
         return max(self.objective - self.bound, 0.0) / max(abs(self.objective), 1e-300)
 
 
-
 def _run(problem: JointProblem, options: SolverOptions, scale: float,
-             start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
+         start: Mapping[str, Mapping[str, str]] | None = None) -> IlpResult | None:
     """Solve; None if infeasible. ``scale`` turns the ILP objective into report units.
 
     ``start``: a feasible plan per bucket CBC begins from (a MIP start). The

@@ -32,18 +32,11 @@ from hilore_compiler.bench.actor import ActorBenchConfig, solve_plans
 from hilore_compiler.bench.actor_worker import ActorWorker
 from hilore_compiler.bench.measure import allocator_peak
 from hilore_compiler.bench.paired import geometric_interval
-from hilore_compiler.grpo.update import _microbatch, plan_update
+from hilore_compiler.grpo.update import UpdatePlan, _microbatch, plan_update
 
 
-def worker(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path) -> ActorWorker:
-    """``method``'s worker, as the bench builds it, in this process."""
-    return ActorWorker({"config": dataclasses.asdict(config), "method": method, "plans": plans,
-                        "grad_path": str(run_dir / f"grad-{method}.pt")})
-
-
-def timed(w: ActorWorker, bucket: str, rows: list[int]) -> float:
-    """Seconds of one microbatch's forward and backward under ``bucket``."""
-    plan = plan_update(w.batch, w.loss, w.update, w.buckets)
+def timed(w: ActorWorker, plan: UpdatePlan, bucket: str, rows: list[int]) -> float:
+    """Seconds of one microbatch's forward and backward under ``bucket`` (``plan``: ``w``'s update plan)."""
     w.model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     _microbatch(w.compiled, w.batch, w.loss, plan, bucket, torch.tensor(rows))
@@ -60,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         config = ActorBenchConfig(codecs=tuple(args.codecs.split(",")))
-        gc = worker(config, "gc", {}, run_dir)
+        gc = ActorWorker.in_process(config, "gc", {}, run_dir)
         gc.warm()
         gc_peak = allocator_peak(gc.step)
         del gc
@@ -84,21 +77,20 @@ def compare(config: ActorBenchConfig, run_dir: Path, gc_peak: int, args: argpars
                   f"{info['buckets']['buckets'][name]['time_s'] * 1e3:.2f} / "
                   f"{info['blind']['buckets'][name]['time_s'] * 1e3:.2f} | - | -")
         return
-    methods = {"buckets": worker(config, "hilore-buckets", solved["paths"], run_dir),
-               "blind": worker(config, "hilore-blind", solved["paths"], run_dir)}
+    methods = {"buckets": ActorWorker.in_process(config, "hilore-buckets", solved["paths"], run_dir),
+               "blind": ActorWorker.in_process(config, "hilore-blind", solved["paths"], run_dir)}
     for w in methods.values():
         w.warm()
-    b = methods["buckets"]
-    plan = plan_update(b.batch, b.loss, b.update, b.buckets)
+    plans = {m: plan_update(w.batch, w.loss, w.update, w.buckets) for m, w in methods.items()}
     weighted = {"buckets": 0.0, "blind": 0.0}
     for name in names:
-        rows = next((idx for bucket, idx in plan.runs if bucket == name), None)
+        rows = next((idx for bucket, idx in plans["buckets"].runs if bucket == name), None)
         if rows is None:
             continue
         times: dict[str, list[float]] = {"buckets": [], "blind": []}
         for i in range(args.pairs):
             for m in (("buckets", "blind") if i % 2 == 0 else ("blind", "buckets")):
-                times[m].append(timed(methods[m], name, rows))
+                times[m].append(timed(methods[m], plans[m], name, rows))
         ratio = geometric_interval([a / b for a, b in zip(times["blind"], times["buckets"])])
         share = info["buckets"]["buckets"][name]["samples"]
         for m in weighted:

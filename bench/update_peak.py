@@ -16,7 +16,6 @@ per-unit calibration, about 8):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -26,12 +25,6 @@ from hilore_compiler.bench.measure import allocation_trail
 from hilore_compiler.planfile import load_plan
 
 MB = 1e6
-
-
-def worker(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path) -> ActorWorker:
-    """``method``'s worker, as the bench builds it, in this process."""
-    return ActorWorker({"config": dataclasses.asdict(config), "method": method, "plans": plans,
-                        "grad_path": str(run_dir / f"grad-{method}.pt")})
 
 
 def trail(w: ActorWorker, name: str) -> int:
@@ -57,7 +50,7 @@ def main() -> None:
     config = ActorBenchConfig(codecs=tuple(args.codecs.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        gc_peak = trail(worker(config, "gc", {}, run_dir), "gc")
+        gc_peak = trail(ActorWorker.in_process(config, "gc", {}, run_dir), "gc")
         solved = solve_plans(config, run_dir, lambda m: print(f"plans: {m}", flush=True), gc_peak_bytes=gc_peak)
         for name, path in solved["paths"].items():
             for b in load_plan(path).buckets:
@@ -66,7 +59,7 @@ def main() -> None:
                     print(f"   {name} {b.bucket.name}: predicted {b.memory_bytes / MB:.2f} MB at {b.peak_at}: "
                           f"kept {b.kept_bytes / MB:.2f} + {parts}")
         for method in (m for m in args.methods.split(",") if m != "gc"):
-            trail(worker(config, method, solved["paths"], run_dir), method)
+            trail(ActorWorker.in_process(config, method, solved["paths"], run_dir), method)
 
 
 if __name__ == "__main__":

@@ -268,6 +268,12 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
     return {"paths": paths, "info": info, "mix": mix}
 
 
+def worker_payload(config: ActorBenchConfig, method: str, plans: dict[str, str], grad_path: Path) -> dict[str, Any]:
+    """What an ``ActorWorker`` is built from: the config, the method, the plan paths
+    and where it saves its gradient; the same in a worker process and in-process."""
+    return {"config": dataclasses.asdict(config), "method": method, "plans": plans, "grad_path": str(grad_path)}
+
+
 class ActorWorkerProcess(WorkerProcess):
     """A worker of ``actor_worker.py`` (same pipe protocol as the step bench's)."""
 
@@ -277,9 +283,8 @@ class ActorWorkerProcess(WorkerProcess):
 def start(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path, env: dict[str, str],
           progress: Progress) -> MethodRun:
     """Spawn, compile and warm up ``method``'s worker; failures are recorded, not raised."""
-    grad_path = str(run_dir / f"grad-{method}.pt")
-    payload = {"config": dataclasses.asdict(config), "method": method, "plans": plans, "grad_path": grad_path}
-    run = MethodRun(method=method, grad_path=grad_path)
+    payload = worker_payload(config, method, plans, run_dir / f"grad-{method}.pt")
+    run = MethodRun(method=method, grad_path=payload["grad_path"])
     progress(f"{method}: compiling and warming up")
     try:
         run.worker = ActorWorkerProcess(payload, env=env, log_path=run_dir / f"{method}.log")
@@ -309,9 +314,8 @@ def tensor_peak(config: ActorBenchConfig, method: str, run_dir: Path, env: dict[
     own = worker is None
     try:
         if own:
-            payload = {"config": dataclasses.asdict(config), "method": method, "plans": {},
-                       "grad_path": str(run_dir / f"grad-{method}-probe.pt")}
-            worker = ActorWorkerProcess(payload, env=env, log_path=run_dir / f"{method}-tensor-peak.log")
+            worker = ActorWorkerProcess(worker_payload(config, method, {}, run_dir / f"grad-{method}-probe.pt"),
+                                        env=env, log_path=run_dir / f"{method}-tensor-peak.log")
         return int(worker.request("tensor_peak")["tensor_peak_bytes"])
     except WorkerError as e:
         progress(f"{method}: no tensor peak: {str(e).splitlines()[0]}")

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ..evaluation.arms import FixedBatch
 from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
 from ..models import build_model
 from ..planfile import load_plan
-from .actor import ActorBenchConfig, loss_config, make_batch
+from .actor import ActorBenchConfig, loss_config, make_batch, worker_payload
 from .measure import StepSample, allocator_peak, measure_step
 from .methods import wrap_layers
 from .worker import flat_grad, serve_requests
@@ -48,6 +49,11 @@ class ActorWorker:
                                    skip_zero=self.method == "hilore-skip", on_policy=False,
                                    across_ranks=False)
         self.last = None
+
+    @classmethod
+    def in_process(cls, config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path) -> ActorWorker:
+        """``method``'s worker as the bench builds it, in this process (the studies under bench/)."""
+        return cls(worker_payload(config, method, plans, run_dir / f"grad-{method}.pt"))
 
     def _prepare(self, plans: dict[str, str]) -> tuple[torch.nn.Module, ExposureBuckets | None, Any]:
         """The compiled policy at the microbatch shape, the buckets it runs and its plan."""

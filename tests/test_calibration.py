@@ -116,3 +116,27 @@ def test_cli_calibrates_every_unit_on_several_microbatches(traced_tiny, tmp_path
     for u in usable:
         by_kind.setdefault(u.kind, set()).add(u.sensitivity["int8"])
     assert any(len(values) > 1 for values in by_kind.values())
+
+
+def test_joint_runner_gives_the_compiled_plans_gradients(traced_tiny, monkeypatch):
+    """Calibration runs one joint graph under every plan (``JointRunner``)
+    instead of compiling each plan; its gradients must be those the plans'
+    partitioned graphs compute, over several microbatches too."""
+    from hilore_compiler.passes import calibration
+
+    model, traced = traced_tiny
+    units = [u for u in traced.units if "int8" in u.codecs and u.codecs["int8"].usable]
+    plans = [{}, {units[0].key: "compress:int8"}, {u.key: "compress:bf16" for u in units[:4]}]
+    args = (model, [_batch(3)], _loss(_batch(3), torch.tensor([[1.0], [-0.5]])), traced, plans)
+    more = [([_batch(4)], _loss(_batch(4), torch.tensor([[2.0], [-2.0]])))]
+    runners = []
+    capture = calibration.JointRunner.from_graph
+    monkeypatch.setattr(calibration.JointRunner, "from_graph",
+                        classmethod(lambda cls, *a: runners.append(capture(*a)) or runners[-1]))
+    fast = plan_gradients(*args, more=more)
+    assert runners and runners[0] is not None  # the fast path ran
+    monkeypatch.setattr(calibration.JointRunner, "from_graph", classmethod(lambda cls, *a: None))
+    compiled = plan_gradients(*args, more=more)
+    for f, c in zip(fast, compiled):
+        assert float((f - c).norm() / c.norm()) < 1e-5
+    assert float((fast[1] - fast[0]).norm()) > 0  # the codec changed the gradient

@@ -22,11 +22,12 @@ plan's measured error within 1%; their per-kind sensitivities to 14% under it.
 ``measured_error`` measures a whole plan's error, to check how per-unit
 errors combine (in quadrature).
 
-Cost: one eager AOT compile and one forward+backward per (kind, codec), or
-per (unit, codec) with ``per_unit``, without Inductor codegen: about a
-second each for the ``tiny`` model and 5-40 s for ``small`` at sequence 2048
-on 2 shared cores; each further microbatch (``more``) adds a forward and
-backward per pass.
+Cost: the joint graph is traced once (``JointRunner``), then each (kind,
+codec), or (unit, codec) with ``per_unit``, is one eager run of it with that
+unit's codec applied, per microbatch: about 0.2 s each for the ``tiny``
+model. Plans that recompute, and graphs the runner cannot run directly,
+take one eager AOT compile per plan instead (``_gradient``), about 1 s on
+``tiny`` and 5-40 s for ``small`` at sequence 2048 on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .capture import fresh_code, inductor_partition
+from .annotate import annotate_units
+from .apply import apply_decisions
+from .capture import default_partition, fresh_code, inductor_partition, light_copy
 from .partition import partition_with_decisions
 from ..tracefile import RecoveryUnit, Trace
-from ..vocabulary import STORE, compress
+from ..vocabulary import COMPRESS_PREFIX, STORE, compress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,29 +112,113 @@ def _runs(example_inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
     return runs
 
 
-def _gradient(gm: fx.GraphModule, runs: Sequence[tuple[list, Callable[[Any], torch.Tensor]]],
-              params: list[torch.nn.Parameter], decisions: Mapping[str, str]) -> torch.Tensor:
-    """The parameter gradient with ``decisions`` applied, run eagerly (no Inductor),
-    accumulated over ``runs`` (graph inputs, loss) as an update accumulates it."""
+def _aot_backend(partitioner: Callable) -> Callable:
+    """An AOTAutograd backend that runs eagerly (no Inductor) around ``partitioner``."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
+    return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g),
+                        bw_compiler=lambda g, _: make_boxed_func(g),
+                        partition_fn=inductor_partition(partitioner),
+                        decompositions=select_decomp_table())
+
+
+def _gradient(gm: fx.GraphModule, runs: Sequence[tuple[list, Callable[[Any], torch.Tensor]]],
+              params: list[torch.nn.Parameter], decisions: Mapping[str, str]) -> torch.Tensor:
+    """The parameter gradient with ``decisions`` applied, run eagerly (no Inductor),
+    accumulated over ``runs`` (graph inputs, loss) as an update accumulates it.
+
+    One AOT compile per call: the general path, for graphs ``JointRunner`` cannot run.
+    """
     def partitioner(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         made = partition_with_decisions(joint, joint_inputs, decisions, **kwargs)
         return made.fw, made.bw
 
-    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g),
-                           bw_compiler=lambda g, _: make_boxed_func(g),
-                           partition_fn=inductor_partition(partitioner),
-                           decompositions=select_decomp_table())
-    compiled = backend(gm, runs[0][0])
+    compiled = _aot_backend(partitioner)(gm, runs[0][0])
     for p in params:
         p.grad = None
     for inputs, loss_fn in runs:
         out = compiled(*inputs)
-        loss_fn(out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out).backward()
+        loss_fn(_single(out)).backward()
     return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def _single(out: Any) -> Any:
+    """The model's output as the loss takes it: the tensor itself when the graph has one output."""
+    return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+
+class JointRunner:
+    """Runs one joint graph, captured once, under any plan of compressed and stored units.
+
+    A compressed unit changes only what backward reads (``apply``: backward
+    reads a decoded copy, forward the exact value), so a plan's gradient is
+    the joint graph's own gradient outputs after ``apply_decisions``, run
+    eagerly on the real inputs with the loss's gradient as tangents. The
+    tangents do not depend on the plan: forward is exact under every one. The
+    joint graph is traced once, where an AOT compile per plan (``_gradient``)
+    traces and partitions it anew each time: most of calibration's time.
+
+    ``from_graph`` returns None where this does not apply (graph outputs that
+    are not the tangents' one-to-one, parameters that are not graph inputs);
+    plans that recompute take the general path too, as recomputation is
+    exact in value but not in its random ops.
+    """
+
+    def __init__(self, joint: fx.GraphModule, saved_names: set[str], num_fwd_outputs: int,
+                 params: list[torch.nn.Parameter], param_slots: list[int]) -> None:
+        self.joint, self.saved_names, self.num_fwd_outputs = joint, saved_names, num_fwd_outputs
+        self.params, self.param_slots = params, param_slots
+
+    @classmethod
+    def from_graph(cls, gm: fx.GraphModule, inputs: list, params: list[torch.nn.Parameter]) -> JointRunner | None:
+        """Capture ``gm``'s joint graph as Inductor's partitioner gets it; None if it cannot be run directly."""
+        got: dict[str, Any] = {}
+
+        def record(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            fw, bw, got["saved"] = default_partition(joint, joint_inputs, **kwargs)
+            got["joint"], got["num_fwd_outputs"] = light_copy(joint), kwargs["num_fwd_outputs"]
+            return fw, bw
+
+        _aot_backend(record)(gm, inputs)
+        joint = got["joint"]
+        placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+        primals = [n for n in placeholders if not n.name.startswith("tangents")]
+        slots = [next((i for i, x in enumerate(inputs) if x is p), None) for p in params]
+        if len(primals) != len(inputs) or None in slots or getattr(joint, "_in_spec", None) is not None:
+            return None
+        return cls(joint, got["saved"], got["num_fwd_outputs"], params, slots)
+
+    def tangents(self, gm: fx.GraphModule, inputs: list, loss_fn: Callable[[Any], torch.Tensor]
+                 ) -> list[torch.Tensor] | None:
+        """d loss / d output for each tangent of the joint graph; None if they do not pair up."""
+        expected = [n.meta.get("val") for n in self.joint.graph.nodes
+                    if n.op == "placeholder" and n.name.startswith("tangents")]
+        with torch.no_grad():
+            out = gm(*inputs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outs) != len(expected) or not all(
+                isinstance(o, torch.Tensor) and isinstance(e, torch.Tensor) and o.shape == e.shape
+                and o.dtype == e.dtype for o, e in zip(outs, expected)):
+            return None
+        leaves = [o.detach().requires_grad_() for o in outs]
+        loss = loss_fn(_single(tuple(leaves)) if isinstance(out, (tuple, list)) else leaves[0])
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
+
+    def gradient(self, runs: Sequence[tuple[list, list[torch.Tensor]]], decisions: Mapping[str, str]) -> torch.Tensor:
+        """The flat parameter gradient under ``decisions``, summed over ``runs`` (inputs, tangents)."""
+        joint = light_copy(self.joint)
+        apply_decisions(joint, annotate_units(joint, self.saved_names), decisions)
+        total: list[torch.Tensor | None] = [None] * len(self.params)
+        with torch.no_grad():
+            for inputs, tangents in runs:
+                grads = joint(*inputs, *tangents)[self.num_fwd_outputs:]
+                for i, slot in enumerate(self.param_slots):
+                    if grads[slot] is not None:
+                        total[i] = grads[slot] if total[i] is None else total[i] + grads[slot]
+        return torch.cat([g.flatten() for g in total if g is not None])
 
 
 def _representatives(trace: Trace, layer: int | None) -> dict[str, RecoveryUnit]:
@@ -178,12 +265,21 @@ def plan_gradients(model: torch.nn.Module, example_inputs: Sequence[Any],
     runs = _runs(example_inputs, loss_fn, inputs, more)
     params = [p for p in model.parameters() if p.requires_grad]
     store_all = {u.key: STORE for u in trace.units}
+    runner, tangent_runs = None, None
+    if all(o == STORE or o.startswith(COMPRESS_PREFIX) for plan in plans for o in plan.values()):
+        runner = JointRunner.from_graph(gm, inputs, params)
+        if runner is not None:
+            tangent_runs = [(args, runner.tangents(gm, args, fn)) for args, fn in runs]
+            if any(t is None for _, t in tangent_runs):
+                runner = None
     out = []
     for i, plan in enumerate(plans):
         if progress is not None:
             what = ", ".join(f"{k} {o}" for k, o in plan.items()) or "store-all"
             progress(f"{i + 1}/{len(plans)}: {what}")
-        out.append(_gradient(gm, runs, params, {**store_all, **plan}))
+        decisions = {**store_all, **plan}
+        out.append(runner.gradient(tangent_runs, decisions) if runner is not None
+                   else _gradient(gm, runs, params, decisions))
     for p in params:
         p.grad = None
     return out

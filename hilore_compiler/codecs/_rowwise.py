@@ -15,6 +15,7 @@ cast). Non-finite rows are poisoned rather than raised on (see
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import sympy
@@ -41,6 +42,16 @@ SCALE_NBYTES = 4
 FP32_SLACK = 4 * 2.0**-24
 
 
+@dataclass(frozen=True, slots=True)
+class RowScale:
+    """One row-wise scaling: the scale to divide by, whether each row is finite,
+    and the scale to keep (NaN for a non-finite row). Each (..., 1)."""
+
+    scale: Value
+    finite: Value
+    stored: Value
+
+
 class RowwiseCodec(Codec):
     """Row-wise absmax-scaled quantization to a narrow payload dtype."""
 
@@ -65,26 +76,34 @@ class RowwiseCodec(Codec):
         (the graph cannot raise at run time).
         """
         x32 = convert(e, x, torch.float32)  # (..., N)
-        absmax = e.op(_row_reduction(e.val(x)), e.op(aten.abs.default, x32), [-1], True)  # (..., 1)
+        row = self._row_scale(e, x32)
+        return convert(e, self._quantize(e, x32, row), self.payload_dtype), row.stored
+
+    def _row_scale(self, e: Emitter, x32: Value) -> RowScale:
+        """Each row's scale of ``x32`` (..., N) and whether the row is finite."""
+        absmax = e.op(_row_reduction(e.val(x32)), e.op(aten.abs.default, x32), [-1], True)  # (..., 1)
         # False for a row with inf (absmax inf) or nan (amax propagates nan).
         finite = e.op(aten.lt.Scalar, absmax, math.inf)  # (..., 1) bool
         scale = e.op(aten.clamp_min.default, e.op(aten.div.Tensor, absmax, self.qmax), SCALE_MIN)
-        y = self._grid(e, e.op(aten.div.Tensor, x32, scale))  # (..., N)
+        device = e.val(x32).device
+        nan = e.op(aten.scalar_tensor.default, math.nan, dtype=torch.float32, device=device)
+        # Set NaN explicitly rather than trust clamp_min to keep a NaN absmax
+        # (an fmax-style lowering would turn it into SCALE_MIN, and the row
+        # would decode to silent zeros); an inf scale becomes NaN too.
+        return RowScale(scale=scale, finite=finite, stored=e.op(aten.where.self, finite, scale, nan))
+
+    def _quantize(self, e: Emitter, x32: Value, row: RowScale) -> Value:
+        """Grid values (fp32, in [-qmax, qmax]) of ``x32``, elements of rows scaled by ``row``;
+        0 in non-finite rows. Pointwise, so it fuses into whatever packs it."""
+        y = self._grid(e, e.op(aten.div.Tensor, x32, row.scale))  # (..., N)
         # absmax / fl(absmax / qmax) may exceed qmax by an ulp.
         # clamp_min/clamp_max, not clamp: Inductor lowers only the former
         # (aten.clamp is decomposed before lowering, and these nodes are
         # inserted after decomposition).
         y = e.op(aten.clamp_max.default, e.op(aten.clamp_min.default, y, -self.qmax), self.qmax)
-        device = e.val(x).device
-        zero = e.op(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=device)
-        nan = e.op(aten.scalar_tensor.default, math.nan, dtype=torch.float32, device=device)
+        zero = e.op(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=e.val(x32).device)
         # Casting nan to int8 is undefined behaviour: store 0 in poisoned rows.
-        y = e.op(aten.where.self, finite, y, zero)
-        # Set NaN explicitly rather than trust clamp_min to keep a NaN absmax
-        # (an fmax-style lowering would turn it into SCALE_MIN, and the row
-        # would decode to silent zeros); an inf scale becomes NaN too.
-        scale = e.op(aten.where.self, finite, scale, nan)
-        return convert(e, y, self.payload_dtype), scale
+        return e.op(aten.where.self, row.finite, y, zero)
 
     def _decode(self, e: Emitter, parts: tuple[Value, ...], dtype: torch.dtype) -> Value:
         q, scale = parts

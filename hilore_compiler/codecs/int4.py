@@ -52,15 +52,23 @@ class Int4Codec(IntegerRowwiseCodec):
         scalar = e.val(x).dim() == 0
         if scalar:
             x = e.op(aten.view.default, x, [1])
-        q, scale = super()._encode(e, x)
-        # Nibbles in int16: 15 + 16 * 15 = 255 does not fit int8.
-        nibble = e.op(aten.add.Tensor, convert(e, q, torch.int16), OFFSET)
+        x32 = convert(e, x, torch.float32)  # (..., N)
+        row = self._row_scale(e, x32)
         n = e.val(x).shape[-1]
         even = n - n % 2
-        low = e.op(aten.slice.Tensor, nibble, -1, 0, even, 2)
-        high = e.op(aten.slice.Tensor, nibble, -1, 1, even, 2)
-        pairs = e.op(aten.add.Tensor, low, e.op(aten.mul.Tensor, high, 16))
-        tail = e.op(aten.slice.Tensor, nibble, -1, even, n)
+
+        def nibbles(start: int, end: int, step: int) -> Value:
+            # Quantized straight from the strided slice, so one pointwise
+            # kernel reads x and writes the packed bytes: packing an already
+            # quantized (..., N) tensor made Inductor keep that tensor and
+            # pack it in a kernel of its own, 3x int8's encode on CPU.
+            values = e.op(aten.slice.Tensor, x32, -1, start, end, step)
+            return e.op(aten.add.Tensor, self._quantize(e, values, row), OFFSET)  # fp32 1..15
+
+        # Exact in fp32: every value is an integer up to 15 + 16 * 15 = 255.
+        pairs = e.op(aten.add.Tensor, nibbles(0, even, 2), e.op(aten.mul.Tensor, nibbles(1, even, 2), 16))
+        tail = nibbles(even, n, 1)
+        scale = row.stored
         if scalar:
             scale = e.op(aten.view.default, scale, [])
         return convert(e, pairs, torch.uint8), convert(e, tail, torch.uint8), scale

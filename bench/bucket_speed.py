@@ -10,9 +10,8 @@ samples (forward, GRPO loss, backward) under the bucket's plan and under the
 blind plan, alternating, ``--pairs`` times. It prints, per bucket, the
 plans' predicted recovery times and the measured medians with the paired
 ratio's 95% interval, then the mix-weighted update. Run from the repository
-root (about 10 minutes with int4's per-unit calibration; ``--calibrated
-FILE`` keeps the calibrated trace for the next run; ``--pairs 0`` prints the
-predictions only):
+root (``--calibrated FILE`` keeps the calibrated trace for the next run;
+``--pairs 0`` prints the predictions only):
 
     python3 bench/bucket_speed.py [--codecs bf16,int8,int4] [--budgets 1.10x-gc,1.0x-gc] [--pairs 30]
 """

@@ -1,10 +1,10 @@
 """Where a plan's time goes: forward and backward of one microbatch per method, in one process.
 
-The actor bench puts the exposure-blind plan at 1.02x GC and store-all at
-1.17x, while the solver predicts the blind plan's recovery (recompute and
-decode) at 1.5 ms of a microbatch that takes about 200 ms. This study asks
-where the measured gap comes from: the plan's recovery, or the backend
-itself (its partitioner and codec graph, with nothing to recover). It
+It asks where a plan's measured time over store-all comes from: the
+plan's recovery (recompute, encode, decode), or the backend itself (its
+partitioner and codec graph, with nothing to recover), and whether the
+solver's predicted recovery accounts for it. It found int4's encode running
+3x int8's (fixed in commit 1a36683; README, "Fidelity", int4). It
 compiles, in this process and at the actor bench's microbatch shape:
 
 - ``store-all``: torch.compile with Inductor's own partitioner;
@@ -18,8 +18,7 @@ microbatch of the top bucket's samples, methods in rotating order,
 ``--pairs`` times. It prints per method the medians of forward, backward
 and the whole microbatch, and each method's paired ratio to store-all's
 whole microbatch with its 95% interval. Run from the repository root
-(``--calibrated FILE`` as in bucket_speed.py; without it int4's per-unit
-calibration takes minutes):
+(``--calibrated FILE`` as in bucket_speed.py):
 
     python3 bench/overhead.py [--codecs bf16,int8,int4] [--pairs 30] [--calibrated FILE]
 """

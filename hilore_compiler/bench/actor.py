@@ -222,8 +222,8 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
     with ``x-gc`` budgets relative to ``gc_peak_bytes`` (GC's measured update peak in tensor bytes) when given.
 
     ``calibrated``: where the calibrated trace is kept. An existing file is
-    read instead of tracing and calibrating again (minutes with int4); it
-    must come from the same ``config``; a missing one is written.
+    read instead of tracing and calibrating again; it must come from the
+    same ``config``; a missing one is written.
     """
     from ..evaluation.arms import trace_policy
     from ..models import build_model
@@ -242,7 +242,7 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
         trace = trace_policy(policy, config.microbatch, config.seq_len, codecs=config.codecs)
         per_unit = [c for c in config.codecs if c in LOSSY_CODECS]
         progress("calibrating the codecs' gradient error (one unit of each kind at a time"
-                 + (f"; every unit for {', '.join(per_unit)}, some minutes)" if per_unit else ")"))
+                 + (f"; every unit for {', '.join(per_unit)})" if per_unit else ")"))
         trace = calibrate_on(policy, trace, batch, config)
         if calibrated is not None:
             trace.save(calibrated)

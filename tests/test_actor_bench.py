@@ -203,3 +203,56 @@ def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monk
     for name in ("buckets", "blind"):
         plans = [load_plan(solved["paths"][name]) for solved in (first, second)]
         assert [b.decisions for b in plans[0].buckets] == [b.decisions for b in plans[1].buckets]
+
+
+def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp_path, monkeypatch):
+    """MALLOC_MMAP_THRESHOLD_ (which VmHWM needs) slows every method, store-all
+    most: the timed workers run without it, each method's peak comes from a
+    process of its own with it, and the report reads those peaks."""
+    from hilore_compiler.bench import actor
+    from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, StepSample
+    from hilore_compiler.bench.runner import MethodRun
+
+    envs: dict[str, list] = {"timed": [], "peak": []}
+
+    def start(config, method, plans, run_dir, env, progress):
+        envs["timed"].append(env)
+        r = MethodRun(method=method, grad_path=str(run_dir / f"grad-{method}.pt"))
+        r.info = {"tokens": 1000}
+        return r
+
+    def measure_rounds(runs, config, progress):
+        for r in runs:
+            r.samples = [StepSample(seconds=1.0, peak_bytes=999, round=0)]
+
+    class PeakProcess:
+        def __init__(self, payload, env, log_path):
+            envs["peak"].append(env)
+            self.method = payload["method"]
+
+        def request(self, cmd, **kwargs):
+            if self.method == "hilore-blind":
+                raise actor.WorkerError("boom")
+            return {"samples": [{"peak_bytes": 100 if self.method == "gc" else 110}] * kwargs.get("steps", 1)}
+
+        def close(self):
+            pass
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # set by a caller: must not reach the timed workers
+    monkeypatch.setattr(actor, "start", start)
+    monkeypatch.setattr(actor, "measure_rounds", measure_rounds)
+    monkeypatch.setattr(actor, "tensor_peak", lambda *a, **k: 5)
+    monkeypatch.setattr(actor, "solve_plans", lambda *a, **k: {"paths": {}, "info": {
+        "blind": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 7}}},
+        "buckets": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 9}}}}, "mix": []})
+    monkeypatch.setattr(actor, "ActorWorkerProcess", PeakProcess)
+    monkeypatch.setattr(actor.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    said: list[str] = []
+    report = actor.run_actor_bench(actor.ActorBenchConfig(model="tiny", methods=("gc", "hilore-blind", "hilore-skip")),
+                                   said.append)
+    assert envs["timed"] and all(not set(MMAP_THRESHOLD_ENV) & set(env) for env in envs["timed"])
+    assert envs["peak"] and all(all(env.get(k) == v for k, v in MMAP_THRESHOLD_ENV.items()) for env in envs["peak"])
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["gc"]["peak_bytes"]["median"] == 100 and rows["hilore-skip"]["peak_vs_gc"] == pytest.approx(1.1)
+    assert rows["hilore-blind"]["peak_bytes"] is None  # its peak process failed; the rounds' 999 is no peak
+    assert "hilore-blind: no peak: boom" in said

@@ -325,6 +325,30 @@ def tensor_peak(config: ActorBenchConfig, method: str, run_dir: Path, env: dict[
             worker.close()
 
 
+#: Updates whose VmHWM peak ``rss_peaks`` measures, after its set-up's warm-up.
+PEAK_STEPS = 3
+
+
+def rss_peaks(config: ActorBenchConfig, method: str, plans: dict[str, str], run_dir: Path, env: dict[str, str],
+              progress: Progress) -> list[int]:
+    """``method``'s per-update VmHWM peaks, from a worker of its own started with ``env``
+    (``MMAP_THRESHOLD_ENV`` set); empty if it failed. Its compile reads the run's Inductor cache."""
+    progress(f"{method}: measuring its peak (VmHWM) in a process of its own")
+    payload = worker_payload(config, method, plans, run_dir / f"grad-{method}-peak.pt")
+    worker = None
+    try:
+        worker = ActorWorkerProcess(payload, env=env, log_path=run_dir / f"{method}-peak.log")
+        worker.request("setup")
+        samples = worker.request("measure", steps=PEAK_STEPS)["samples"]
+        return [int(s["peak_bytes"]) for s in samples]
+    except WorkerError as e:
+        progress(f"{method}: no peak: {str(e).splitlines()[0]}")
+        return []
+    finally:
+        if worker is not None:
+            worker.close()
+
+
 def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
     """Solve the plans, set up every method, measure in rounds; returns the report payload."""
     import os
@@ -333,7 +357,14 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
     from .measure import MMAP_THRESHOLD_ENV
 
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"), **MMAP_THRESHOLD_ENV}
+    # Timed on the default allocator, as a trainer runs. The VmHWM peak needs
+    # every large tensor mmapped (measure.py), which costs page faults on
+    # each allocation: 25% on store-all's microbatch, 15% on GC's
+    # (bench/overhead.py), so the peaks are measured in processes of their own.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor")}
+    for key in MMAP_THRESHOLD_ENV:
+        env.pop(key, None)
+    peak_env = {**env, **MMAP_THRESHOLD_ENV}
     runs: dict[str, MethodRun] = {}
     try:
         # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.
@@ -349,6 +380,9 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         measure_rounds(list(runs.values()), config, progress)
         for run in (r for r in runs.values() if r.worker is not None):
             run.info["tensor_peak_bytes"] = tensor_peak(config, run.method, run_dir, env, progress, run.worker)
+        close_workers(runs.values())
+        for run in (r for r in runs.values() if r.status == "ok"):
+            run.peaks = rss_peaks(config, run.method, plans["paths"], run_dir, peak_env, progress)
     finally:
         close_workers(runs.values())
     compare_grads(runs)

@@ -3,7 +3,8 @@
 Throughput is the batch's tokens (B x T, skipped samples included) per second
 of the whole update, the median over the measured updates of all rounds;
 peak memory is the median per-update peak (``measure.py``'s definition: the
-process's VmHWM); the tensor peak is one update's by the allocator, what the
+process's VmHWM), measured in a process of its own after the rounds
+(``actor.rss_peaks``); the tensor peak is one update's by the allocator, what the
 plans' memory model predicts (``predicted_peak_bytes``: the plan's largest
 bucket).
 Speed ratios to GC and to the exposure-blind plan are paired by round with
@@ -36,14 +37,20 @@ def _paired(run: MethodRun, reference: MethodRun | None) -> dict[str, Any] | Non
     return None if ratio is None else asdict(ratio)
 
 
+def _peak(run: MethodRun) -> Spread | None:
+    """Per-update VmHWM peaks from the method's peak process; None where it failed
+    (the timed rounds run on the default allocator, where VmHWM measures no peak)."""
+    return Spread.of([float(p) for p in run.peaks]) if run.peaks else None
+
+
 def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: dict[str, Any]) -> dict[str, Any]:
     tokens = run.info.get("tokens")
     rate = Spread.of([tokens / s.seconds for s in run.samples]) if run.samples and tokens else None
-    peak = Spread.of([float(s.peak_bytes) for s in run.samples]) if run.samples else None
+    peak = _peak(run)
     gc_rate = gc_peak = None
     if gc is not None and gc.samples and gc.info.get("tokens"):
         gc_rate = Spread.of([gc.info["tokens"] / s.seconds for s in gc.samples]).median
-        gc_peak = Spread.of([float(s.peak_bytes) for s in gc.samples]).median
+        gc_peak = None if _peak(gc) is None else _peak(gc).median
     plan = {"hilore-blind": "blind", "hilore-buckets": "buckets", "hilore-skip": "buckets"}.get(run.method)
     return {
         "method": run.method, "label": LABELS[run.method], "status": run.status, "error": run.error,

@@ -196,6 +196,10 @@ class MethodRun:
     #: Gradient cosine and relative L2 error against store-all's, same batch.
     fidelity: dict[str, float] | None = None
     worker: WorkerProcess | None = None
+    #: Per-step VmHWM peaks measured in a process of its own (the actor
+    #: bench, whose timed workers run on the default allocator: its report
+    #: reads these, not the timed rounds').
+    peaks: list[int] = field(default_factory=list)
 
     def fail(self, error: Exception, progress: Progress) -> None:
         self.status, self.error = "failed", str(error)

@@ -268,13 +268,17 @@ class Launcher:
         return run
 
 
-def describe(samples: list[StepSample]) -> str:
-    """``0.123 s/step, peak 12.3 MB`` (medians) for progress lines."""
+def describe(samples: list[StepSample], *, peak: bool = True) -> str:
+    """``0.123 s/step, peak 12.3 MB`` (medians) for progress lines; ``peak=False``
+    leaves the peak out where the samples' peaks measure nothing (a worker on
+    the default allocator, ``actor.run_actor_bench``)."""
     if not samples:
         return "no steps"
     seconds = sorted(s.seconds for s in samples)[len(samples) // 2]
-    peak = sorted(s.peak_bytes for s in samples)[len(samples) // 2]
-    return f"{seconds:.3f} s/step, peak {peak / 1e6:.1f} MB"
+    if not peak:
+        return f"{seconds:.3f} s/step"
+    peak_bytes = sorted(s.peak_bytes for s in samples)[len(samples) // 2]
+    return f"{seconds:.3f} s/step, peak {peak_bytes / 1e6:.1f} MB"
 
 
 def warm_peak(run: MethodRun | None) -> float | None:
@@ -305,8 +309,9 @@ def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | Non
     return None
 
 
-def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progress) -> None:
-    """``repeats`` rounds; each live method measures ``steps_per_round`` steps per round."""
+def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progress, *, peaks: bool = True) -> None:
+    """``repeats`` rounds; each live method measures ``steps_per_round`` steps per round
+    (``peaks``: whether progress lines show the samples' peaks, ``describe``)."""
     for r in range(config.repeats):
         live = [run for run in runs if run.worker is not None]
         if not live:
@@ -320,7 +325,7 @@ def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progres
                 continue
             # Tagged with the round: the report pairs each method's round with GC's.
             run.samples += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
-        done = ", ".join(f"{run.method} {describe(run.samples)}" for run in live if run.worker)
+        done = ", ".join(f"{run.method} {describe(run.samples, peak=peaks)}" for run in live if run.worker)
         progress(f"round {r + 1}/{config.repeats}: {done}")
 
 

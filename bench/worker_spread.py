@@ -13,13 +13,12 @@ each paired with the first. Run from the repository root (about 10 minutes):
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from hilore_compiler.bench.actor import ACTOR_METHODS, BASELINES, ActorBenchConfig, solve_plans, start, tensor_peak
-from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV
+from hilore_compiler.bench.actor import (ACTOR_METHODS, BASELINES, ActorBenchConfig, solve_plans, start, tensor_peak,
+                                         timing_env)
 from hilore_compiler.bench.paired import paired_ratio
 from hilore_compiler.bench.runner import close_workers, measure_rounds
 
@@ -34,9 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     config = ActorBenchConfig(codecs=tuple(args.codecs.split(",")), repeats=args.repeats)
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-worker-spread-"))
-    # Timed as the actor bench times: on the default allocator.
-    env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
+    env = timing_env(run_dir)  # timed as the actor bench times its workers
     say = lambda m: print(m, flush=True)  # noqa: E731
     runs = []
     try:

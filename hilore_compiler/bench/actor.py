@@ -350,21 +350,32 @@ def rss_peaks(config: ActorBenchConfig, method: str, plans: dict[str, str], run_
             worker.close()
 
 
-def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
-    """Solve the plans, set up every method, measure in rounds; returns the report payload."""
+def timing_env(run_dir: Path) -> dict[str, str]:
+    """The environment of timed actor workers: this one, with the run's Inductor cache,
+    on the default allocator as a trainer runs.
+
+    The VmHWM peak needs every large tensor mmapped (``MMAP_THRESHOLD_ENV``,
+    measure.py), which costs page faults on each allocation: 25% on
+    store-all's microbatch, 15% on GC's (bench/overhead.py). So the setting
+    is dropped here, even if the caller set it, and peaks are measured in
+    processes of their own (``rss_peaks``).
+    """
     import os
 
+    from .measure import MMAP_THRESHOLD_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
+    return env
+
+
+def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
+    """Solve the plans, set up every method, measure in rounds; returns the report payload."""
     from .actor_report import summarise
     from .measure import MMAP_THRESHOLD_ENV
 
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
-    # Timed on the default allocator, as a trainer runs. The VmHWM peak needs
-    # every large tensor mmapped (measure.py), which costs page faults on
-    # each allocation: 25% on store-all's microbatch, 15% on GC's
-    # (bench/overhead.py), so the peaks are measured in processes of their own.
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor")}
-    for key in MMAP_THRESHOLD_ENV:
-        env.pop(key, None)
+    env = timing_env(run_dir)
     peak_env = {**env, **MMAP_THRESHOLD_ENV}
     runs: dict[str, MethodRun] = {}
     try:

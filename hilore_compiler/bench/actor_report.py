@@ -50,7 +50,8 @@ def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: d
     gc_rate = gc_peak = None
     if gc is not None and gc.samples and gc.info.get("tokens"):
         gc_rate = Spread.of([gc.info["tokens"] / s.seconds for s in gc.samples]).median
-        gc_peak = None if _peak(gc) is None else _peak(gc).median
+        gc_peaks = _peak(gc)
+        gc_peak = None if gc_peaks is None else gc_peaks.median
     plan = {"hilore-blind": "blind", "hilore-buckets": "buckets", "hilore-skip": "buckets"}.get(run.method)
     return {
         "method": run.method, "label": LABELS[run.method], "status": run.status, "error": run.error,

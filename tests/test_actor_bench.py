@@ -70,7 +70,7 @@ def test_actor_worker_reports_its_tensor_peak_as_the_gc_reference(tmp_path):
     budgets multiply: the plans' memory model predicts tensor bytes."""
     from hilore_compiler.bench.actor import ActorBenchConfig, tensor_peak
     from hilore_compiler.bench.actor_worker import ActorWorker
-    from hilore_compiler.bench.runner import WorkerError
+    from hilore_compiler.bench.process import WorkerError
     from hilore_compiler.bench.worker import _handle
 
     worker = ActorWorker.__new__(ActorWorker)  # tensor_peak() alone: no compile

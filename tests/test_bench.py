@@ -31,7 +31,7 @@ from hilore_compiler.bench.report import (
     summarise,
     to_json,
 )
-from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun, resolve_device, run_bench
+from hilore_compiler.bench.runner import PEAK_STEPS, BenchConfig, BenchRun, MethodRun, resolve_device, run_bench
 from hilore_compiler.bench.search import Probe, choose, grid, search_budget
 from hilore_compiler.bench.worker import Worker, WorkerConfig, actor_step, flat_grad, make_data
 from hilore_compiler.cli import build_parser
@@ -271,6 +271,21 @@ def test_report_pairs_rounds_and_marks_fitting_methods():
     assert payload["targets"][1]["interval"] == pytest.approx([h.low, h.high])
 
 
+def test_report_reads_peaks_from_the_peak_workers_where_they_ran():
+    """On CPU the timed rounds run on the default allocator, whose VmHWM is no
+    peak: the report takes each method's peak from its peak worker."""
+    config = BenchConfig(model="tiny", batch=2, seq_len=128)
+    gc, hilore = _rounds_run("gc", 2.0, 999), _rounds_run("hilore", 1.5, 999)
+    gc.peaks, hilore.peaks = [100_000_000] * 3, [107_000_000, 108_000_000, 108_000_000]
+    cuda_like = _rounds_run("sac", 1.2, 160)  # no peak worker: its samples' peaks count
+    report = summarise(BenchRun(config=config, device="cpu", runs=(gc, hilore, cuda_like),
+                                budget_search=None, run_dir=None))
+    stats = {s.method: s for s in report.stats}
+    assert stats["hilore"].peak_bytes.median == 108e6 and stats["hilore"].peak_vs_gc == pytest.approx(1.08)
+    assert stats["sac"].peak_vs_gc == pytest.approx(1.6)
+    assert json.loads(json.dumps(to_json(report)))["methods"][1]["peaks"] == hilore.peaks
+
+
 def test_whole_step_targets_pair_rounds_against_gc_chunked():
     config = BenchConfig(model="tiny", batch=2, seq_len=128, methods=("gc-chunked", "hilore-step"))
     runs = (_rounds_run("gc-chunked", 1.25, 340), _rounds_run("hilore-step", 1.1, 337, cosine=0.99997))
@@ -354,6 +369,7 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
     # CPU), later runs take seconds. conftest turns caches off for in-process
     # compiles that inspect the partitioner; these workers inspect nothing.
     monkeypatch.delenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # set by a caller: must not reach the timed workers
     cache = request.config.cache.mkdir("hilore-bench-compile")
     config = BenchConfig(model="tiny", batch=2, seq_len=32, methods=("store-all", "gc"), repeats=2,
                          steps_per_round=1, warmup=1, device="cpu", threads=1, cache_dir=str(cache))
@@ -364,7 +380,9 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
         # At this size a step may fit in pages the process already holds: peak >= 0, not > 0.
         assert len(r.samples) == 2 and all(s.seconds > 0 and s.peak_bytes >= 0 for s in r.samples)
         assert [s.round for s in r.samples] == [0, 1]  # tagged for the paired ratios
-        assert r.info["mmap_threshold_set"] and r.info["threads"] == 1
+        # Peaks from a worker with the VmHWM allocator setting, rounds timed by one without it.
+        assert len(r.peaks) == PEAK_STEPS and r.info["mmap_threshold_set"] and r.info["threads"] == 1
+        assert r.info["timed_worker"]["mmap_threshold_set"] is False
     assert runs["store-all"].fidelity["cosine"] == pytest.approx(1.0)
     # Recompute is deterministic: GC's gradient is store-all's up to fp32 reordering.
     assert runs["gc"].fidelity["cosine"] > 0.99999

@@ -39,16 +39,8 @@ import torch
 from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
-from .runner import (
-    MethodRun,
-    Progress,
-    WorkerError,
-    WorkerProcess,
-    close_workers,
-    compare_grads,
-    describe,
-    measure_rounds,
-)
+from .process import WorkerError, WorkerProcess
+from .runner import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
 ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")

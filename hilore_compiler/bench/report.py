@@ -2,7 +2,9 @@
 
 Throughput is tokens per second of one step (B x T tokens), the median over
 the measured steps of all rounds, with min/max and quartiles as spread;
-peak memory is the median per-step peak. Both are reported as ratios to GC,
+peak memory is the median per-step peak (on CPU measured by each method's
+worker of its own under the VmHWM allocator setting, ``runner.Launcher``,
+while the timed rounds run on the default allocator). Both are reported as ratios to GC,
 the baseline the paper's ceiling and speed-ups are stated against; speed
 also as the geometric mean of per-round paired ratios with a 95% interval
 (``paired.py``), which the speed targets use when the samples carry rounds.
@@ -23,7 +25,7 @@ import torch
 from ..jsonio import write_json_atomic
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
-from .runner import BenchRun, MethodRun
+from .runner import BenchRun, MethodRun, peak_samples
 
 BENCH_SCHEMA = "hilore.bench/v1"
 
@@ -111,9 +113,11 @@ def method_note(run: MethodRun) -> str:
 def method_stats(run: MethodRun, tokens: int, gc: MethodRun | None) -> MethodStats:
     """Statistics of one method; ratios against ``gc``'s medians when it has data."""
     tps = Spread.of([tokens / s.seconds for s in run.samples]) if run.samples else None
-    peak = Spread.of([float(s.peak_bytes) for s in run.samples]) if run.samples else None
+    peaks = peak_samples(run) if run.samples else []
+    peak = Spread.of([float(p) for p in peaks]) if peaks else None
     gc_tps = Spread.of([tokens / s.seconds for s in gc.samples]).median if gc and gc.samples else None
-    gc_peak = statistics.median(s.peak_bytes for s in gc.samples) if gc and gc.samples else None
+    gc_peaks = peak_samples(gc) if gc and gc.samples else []
+    gc_peak = statistics.median(gc_peaks) if gc_peaks else None
     fidelity = run.fidelity or {}
     peak_vs_gc = peak.median / gc_peak if peak and gc_peak else None
     return MethodStats(
@@ -297,7 +301,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
     methods = []
     for s, r in zip(report.stats, run.runs):
         methods.append({**asdict(s), "info": r.info, "fidelity": r.fidelity,
-                        "samples": [asdict(x) for x in r.samples],
+                        "peaks": list(r.peaks), "samples": [asdict(x) for x in r.samples],
                         "warmup": [asdict(x) for x in r.warmup]})
     return {
         "schema": BENCH_SCHEMA,

@@ -1,12 +1,14 @@
 """The driver: one worker process per method, set up in turn, then measured in alternating rounds.
 
-Each method runs in its own long-lived process (``worker.py``), spawned with
-``MALLOC_MMAP_THRESHOLD_=65536`` so that its CPU peak is measurable, and
-driven over a pipe. Only one worker runs at a time: setup (compile, warm-up,
-gradient of the fixed batch) goes method by method, then every round asks
-each live worker, in an order rotated by one per round, for
+Each method runs in its own process (``worker.py``), driven over a pipe
+(``process.py``). Only one worker runs at a time: setup (compile, warm-up,
+gradient of the fixed batch, the peak) goes method by method, then every
+round asks each live worker, in an order rotated by one per round, for
 ``steps_per_round`` measured steps. Alternating spreads slow phases of a
-shared machine over all methods instead of one.
+shared machine over all methods instead of one. On CPU the peak and the
+time come from two workers of the method, one with
+``MALLOC_MMAP_THRESHOLD_=65536`` (VmHWM needs it) and one on the default
+allocator (``Launcher``).
 
 Caches: unless ``cache_dir`` is given, the workers of one run share a fresh
 temporary Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and hilore cache, so
@@ -18,11 +20,8 @@ persist there across runs (faster, for repeated runs of one configuration).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch
 from ..codecs import codec_names
 from .measure import MMAP_THRESHOLD_ENV, StepSample, gradient_fidelity
 from .methods import DEFAULT_METHODS, METHODS, MethodOptions
+from .process import WorkerError, WorkerProcess
 from .search import BudgetSearch, search_budget
 from .worker import WorkerConfig
 
@@ -128,64 +128,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-class WorkerError(RuntimeError):
-    """A worker answered with an error or died; the message says which and why."""
-
-
-class WorkerProcess:
-    """A running worker and the pipe to it; its stderr goes to ``log_path``."""
-
-    #: The module run as the worker (``python -m MODULE '<config JSON>'``).
-    MODULE = "hilore_compiler.bench.worker"
-
-    def __init__(self, config: WorkerConfig | dict[str, Any], *, env: dict[str, str], log_path: Path) -> None:
-        self.config, self.log_path = config, log_path
-        self._log = open(log_path, "w")
-        text = config.to_json() if isinstance(config, WorkerConfig) else json.dumps(config)
-        cmd = [sys.executable, "-m", self.MODULE, text]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=env, text=True)
-
-    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        """Send one command and wait for its answer."""
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except BrokenPipeError:
-            line = ""
-        if not line:
-            raise WorkerError(f"worker exited with code {self.proc.wait()}; last lines of "
-                              f"{self.log_path}:\n{log_tail(self.log_path)}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            raise WorkerError(reply["error"])
-        return reply
-
-    def close(self) -> None:
-        """Ask the worker to exit; kill it if it does not within a minute."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    """The last ``lines`` lines of a worker log (dynamo warnings dropped) for error messages."""
-    text = [s for s in Path(path).read_text(errors="replace").splitlines() if not s.startswith("W")]
-    return "\n".join(text[-lines:])
-
-
 @dataclass(slots=True, kw_only=True)
 class MethodRun:
     """One method's measurements, filled in as the run goes."""
 
     method: str
+    #: ``method`` plus a tag where one method has several workers (pt-budget's probes).
+    name: str | None = None
     status: str = "ok"
     error: str | None = None
     compile_s: float | None = None
@@ -196,10 +145,12 @@ class MethodRun:
     #: Gradient cosine and relative L2 error against store-all's, same batch.
     fidelity: dict[str, float] | None = None
     worker: WorkerProcess | None = None
-    #: Per-step VmHWM peaks measured in a process of its own (the actor
-    #: bench, whose timed workers run on the default allocator: its report
-    #: reads these, not the timed rounds').
+    #: Per-step peaks measured in a process of its own (on CPU, where the
+    #: timed workers run on the default allocator and their samples' VmHWM
+    #: measures no peak); empty where the timed samples carry the peaks (CUDA).
     peaks: list[int] = field(default_factory=list)
+    #: The configuration ``Launcher.start`` ran, which ``Launcher.time`` reuses.
+    worker_config: Any = None
 
     def fail(self, error: Exception, progress: Progress) -> None:
         self.status, self.error = "failed", str(error)
@@ -221,29 +172,46 @@ class BenchRun:
     run_dir: str | None
 
 
+#: Steps whose peaks a CPU peak worker measures after its warm-up (the
+#: peak is the same step after step, DESIGN.md "Measuring"; three show it).
+PEAK_STEPS = 3
+
 #: The GC method whose measured peak each HiLoRe method's ``x-gc`` budget
 #: refers to: the one that runs the same step (eager or compiled loss).
 REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "hilore-step": "gc-chunked"}
 
 
 class Launcher:
-    """Starts and sets up workers that share one run's configuration and caches."""
+    """Starts and sets up workers that share one run's configuration and caches.
+
+    On CPU every method has two workers, one after the other. ``start``'s
+    measures the peak: it runs with ``MMAP_THRESHOLD_ENV``, which VmHWM needs
+    (measure.py) and which slows every step by page faults (store-all's most:
+    25% on the actor bench's microbatch, bench/overhead.py), so it measures
+    ``PEAK_STEPS`` peaks and exits. ``time``'s runs the rounds on the default
+    allocator, as a trainer does, compiling from the shared caches. On CUDA
+    one worker does both: ``max_memory_allocated`` needs no allocator setting.
+    """
 
     def __init__(self, config: BenchConfig, device: str, run_dir: Path, progress: Progress) -> None:
         self.config, self.device, self.run_dir, self.progress = config, device, run_dir, progress
         cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
         self.hilore_cache = str(cache / "hilore")
-        self.env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-        if device == "cpu":
-            self.env.update(MMAP_THRESHOLD_ENV)  # the CPU peak's definition needs it (measure.py)
-        #: Measured warm-up peaks of the GC methods set up so far: the
-        #: ceilings the HiLoRe methods' ``x-gc`` budgets are multiples of
-        #: (``REFERENCE_GC``), so that they plan to the same measured ceiling
-        #: the report holds every method to.
+        env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
+        self.env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+        #: Whether peaks are measured by workers of their own (CPU, see above).
+        self.peaks_apart = device == "cpu"
+        self.peak_env = {**self.env, **MMAP_THRESHOLD_ENV} if self.peaks_apart else self.env
+        #: Measured peaks of the GC methods set up so far: the ceilings the
+        #: HiLoRe methods' ``x-gc`` budgets are multiples of (``REFERENCE_GC``),
+        #: so that they plan to the same measured ceiling the report holds
+        #: every method to.
         self.gc_peaks: dict[str, int] = {}
 
     def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
-        """Spawn ``method``'s worker, compile and warm it up; a failure is recorded, not raised."""
+        """Spawn ``method``'s worker, compile, warm it up and measure its peak (``run.peaks``);
+        a failure is recorded, not raised. On CPU the worker exits after its peaks:
+        ``time`` starts the one the rounds use."""
         name = method + tag
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=self.config.hilore_budget, hilore_codecs=self.config.hilore_codecs,
@@ -254,18 +222,47 @@ class Launcher:
                               seq_len=self.config.seq_len, seed=self.config.seed, device=self.device,
                               warmup=self.config.warmup, options=options, grad_path=grad_path,
                               threads=self.config.threads, dtype=self.config.dtype)
-        run = MethodRun(method=method, grad_path=grad_path)
+        run = MethodRun(method=method, name=name, grad_path=grad_path, worker_config=config)
         self.progress(f"{name}: compiling and warming up")
         try:
-            run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}.log")
+            run.worker = WorkerProcess(config, env=self.peak_env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
+            run.compile_s, run.info = reply["compile_s"], reply["info"]
+            run.warmup = [StepSample(**s) for s in reply["warmup"]]
+            if self.peaks_apart:
+                samples = run.worker.request("measure", steps=PEAK_STEPS)["samples"]
+                run.peaks = [int(s["peak_bytes"]) for s in samples]
+                run.worker.close()
+                run.worker = None
         except WorkerError as e:
             run.fail(e, self.progress)
             return run
-        run.compile_s, run.info = reply["compile_s"], reply["info"]
-        run.warmup = [StepSample(**s) for s in reply["warmup"]]
-        self.progress(f"{name}: compiled in {run.compile_s:.1f} s; warm-up {describe(run.warmup)}")
+        peak = f", peak {warm_peak(run) / 1e6:.1f} MB" if self.peaks_apart else ""
+        self.progress(f"{name}: compiled in {run.compile_s:.1f} s; warm-up "
+                      f"{describe(run.warmup, peak=not self.peaks_apart)}{peak}")
         return run
+
+    def time(self, run: MethodRun) -> None:
+        """Start the worker ``run``'s rounds are timed in (CPU: on the default allocator,
+        compiled from the caches ``start``'s worker filled); a failure is recorded."""
+        if run.status != "ok" or run.worker is not None:
+            return  # failed, or (CUDA) the worker that set up times the rounds too
+        options = run.worker_config.options
+        if "chunk_choice" in run.info:  # time the chunk size the peak worker chose, not a new choice
+            options = dataclasses.replace(options, step_chunks=(),
+                                          chunk_tokens=run.info["chunk_choice"]["chunk_tokens"])
+        config = dataclasses.replace(run.worker_config, options=options, grad_path=None)
+        name = run.name or run.method
+        self.progress(f"{name}: starting the worker the rounds time (default allocator)")
+        try:
+            run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}-timed.log")
+            reply = run.worker.request("setup")
+        except WorkerError as e:
+            run.fail(e, self.progress)
+            return
+        run.info["timed_worker"] = {"compile_s": reply["compile_s"],
+                                    "mmap_threshold_set": reply["info"]["mmap_threshold_set"],
+                                    "warmup_s": [s["seconds"] for s in reply["warmup"]]}
 
 
 def describe(samples: list[StepSample], *, peak: bool = True) -> str:
@@ -281,8 +278,15 @@ def describe(samples: list[StepSample], *, peak: bool = True) -> str:
     return f"{seconds:.3f} s/step, peak {peak_bytes / 1e6:.1f} MB"
 
 
+def peak_samples(run: MethodRun) -> list[int]:
+    """A method's per-step peaks: its peak worker's (``run.peaks``, CPU), else its timed samples' (CUDA)."""
+    return list(run.peaks) or [s.peak_bytes for s in run.samples]
+
+
 def warm_peak(run: MethodRun | None) -> float | None:
-    """Median warm-up peak bytes of a method that set up, else None."""
+    """Median set-up peak bytes of a method that set up (its peak worker's), else None."""
+    if run is not None and run.status == "ok" and run.peaks:
+        return float(sorted(run.peaks)[len(run.peaks) // 2])
     return _warm_median(run, "peak_bytes")
 
 
@@ -364,7 +368,9 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
             if method in REFERENCE_GC.values() and warm_peak(runs[method]) is not None:
                 launcher.gc_peaks[method] = int(warm_peak(runs[method]))
         predict_baselines(runs)
-        measure_rounds(list(runs.values()), config, progress)
+        for run in runs.values():
+            launcher.time(run)
+        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart)
     finally:
         close_workers(runs.values())
     compare_grads(runs)
@@ -389,9 +395,9 @@ def predict_baselines(runs: dict[str, MethodRun]) -> None:
             break
     else:
         return
-    for method, field in (("gc", "gc_bytes"), ("store-all", "store_bytes")):
+    for method, key in (("gc", "gc_bytes"), ("store-all", "store_bytes")):
         if method in runs and runs[method].status == "ok":
-            runs[method].info["predicted_peak_bytes"] = plan[field]
+            runs[method].info["predicted_peak_bytes"] = plan[key]
 
 
 def close_workers(runs: Iterable[MethodRun]) -> None:

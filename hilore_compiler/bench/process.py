@@ -1,0 +1,69 @@
+"""A worker process and the pipe to it: one JSON command per line in, one answer per line out.
+
+The step bench (``worker.py``) and the actor bench (``actor_worker.py``)
+speak the same protocol (``worker.serve_requests``); a worker's stderr goes
+to a log file whose tail is quoted when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .worker import WorkerConfig
+
+
+class WorkerError(RuntimeError):
+    """A worker answered with an error or died; the message says which and why."""
+
+
+class WorkerProcess:
+    """A running worker and the pipe to it; its stderr goes to ``log_path``."""
+
+    #: The module run as the worker (``python -m MODULE '<config JSON>'``).
+    MODULE = "hilore_compiler.bench.worker"
+
+    def __init__(self, config: WorkerConfig | dict[str, Any], *, env: dict[str, str], log_path: Path) -> None:
+        self.config, self.log_path = config, log_path
+        self._log = open(log_path, "w")
+        text = config.to_json() if isinstance(config, WorkerConfig) else json.dumps(config)
+        cmd = [sys.executable, "-m", self.MODULE, text]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env, text=True)
+
+    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer."""
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            raise WorkerError(f"worker exited with code {self.proc.wait()}; last lines of "
+                              f"{self.log_path}:\n{log_tail(self.log_path)}")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            raise WorkerError(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not within a minute."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a worker log (dynamo warnings dropped) for error messages."""
+    text = [s for s in Path(path).read_text(errors="replace").splitlines() if not s.startswith("W")]
+    return "\n".join(text[-lines:])

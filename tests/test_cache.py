@@ -83,3 +83,25 @@ def test_the_partitioner_pickles_to_its_identity_not_its_tensors():
 
     planner = SimpleNamespace(plan_known=False, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
     assert len(pickle.dumps(PlanPartitioner(planner, None, []))) < 200
+
+
+def test_plans_for_other_solver_options_reuse_the_graphs_trace(tmp_path, monkeypatch):
+    """A second budget or bucket count of the same graph is solved from the
+    cached trace, not profiled again: plans compared with each other (the
+    bench's exposure-blind control) weigh the same measured costs."""
+    from hilore_compiler.backend import planning
+
+    traced: list[str] = []
+    real = planning.trace_capture
+    monkeypatch.setattr(planning, "trace_capture", lambda *a, **k: traced.append(a[-1]) or real(*a, **k))
+    base = {"cache_dir": str(tmp_path), "codecs": ["int8"], "verbose": False}
+    for options in ({**base, "buckets": 3}, {**base, "buckets": 1}, {**base, "buckets": 1, "memory_budget": "0.9x-gc"}):
+        torch._dynamo.reset()
+        backend = HiLoReBackend(options)
+        _compile_step(_mlp(), backend)
+        assert backend.graphs[0].plan is not None
+    assert len(traced) == 1
+    assert len(list(tmp_path.glob("*.plan.json"))) == 3 and len(list(tmp_path.glob("*.trace.json"))) == 1
+    torch._dynamo.reset()
+    _compile_step(_mlp(), HiLoReBackend({**base, "codecs": ["bf16"], "buckets": 1}))  # other codecs: traced anew
+    assert len(traced) == 2

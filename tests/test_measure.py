@@ -93,16 +93,20 @@ print(loss_side(loss, (4, 256, 512), torch.float32, "cpu"), loss_side(loss, (4, 
 def test_loss_side_measures_what_the_eager_loss_adds_over_the_logits():
     """fp32 log-probs + GRPO loss hold about 3 logits-sized buffers at once beyond the
     logits (a log-softmax temporary, the gather's dense gradient, their sum); bf16
-    logits add their fp32 copy on top, so more per bf16 byte. Own process: the CPU
-    peak needs the malloc setting the bench's workers run with."""
+    logits add their fp32 copy on top, so more per bf16 byte. The same with and
+    without the malloc setting of the bench's peak workers (own processes): the
+    bench's peak and timed workers must plan the same loss side."""
     import os
     import subprocess
     import sys
 
     from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV
 
-    out = subprocess.run([sys.executable, "-c", _LOSS_SIDE], env={**os.environ, **MMAP_THRESHOLD_ENV},
-                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
-    fp32, bf16 = map(float, out)
+    plain = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
+    ratios = [tuple(map(float, subprocess.run([sys.executable, "-c", _LOSS_SIDE], env=env, capture_output=True,
+                                              text=True, timeout=300, check=True).stdout.split()))
+              for env in ({**plain, **MMAP_THRESHOLD_ENV}, plain)]
+    assert ratios[0] == ratios[1]
+    fp32, bf16 = ratios[0]
     assert 2.5 <= fp32 <= 3.5
     assert bf16 > fp32 + 2

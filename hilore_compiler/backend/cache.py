@@ -12,11 +12,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..jsonio import FormatError
 from ..planfile import Plan, load_plan
-from ..tracefile import Trace
+from ..tracefile import Trace, load_trace
 
 if TYPE_CHECKING:
     from .options import BackendOptions
@@ -35,14 +36,20 @@ def _warn(message: str) -> None:
 
 @dataclass(slots=True)
 class PlanCache:
-    """The plan and trace files of one cache key; ``folder`` None when unwritable."""
+    """The plan file of one cache key and the trace file it is solved from; ``folder`` None when unwritable.
+
+    The trace has a key of its own (``planning.trace_key``): plans that differ
+    only in solver options share it.
+    """
 
     folder: Path | None
     key: str
     options: BackendOptions
+    trace_key: str = ""
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, key: str, options: BackendOptions) -> PlanCache:
+    def open(cls, cache_dir: str | os.PathLike, key: str, options: BackendOptions, *,
+             trace_key: str = "") -> PlanCache:
         folder = Path(cache_dir or default_cache_dir()).expanduser()
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -51,8 +58,8 @@ class PlanCache:
         except OSError as error:
             _warn(f"cannot use the plan cache {folder} ({error}); planning without a cache "
                   "(set options={'cache_dir': ...} or HILORE_CACHE_DIR to a writable folder)")
-            return cls(None, key, options)
-        return cls(folder, key, options)
+            return cls(None, key, options, trace_key)
+        return cls(folder, key, options, trace_key)
 
     @property
     def plan_path(self) -> Path | None:
@@ -60,27 +67,33 @@ class PlanCache:
 
     @property
     def trace_path(self) -> Path | None:
-        return self.folder / f"{self.key}.trace.json" if self.folder else None
+        return self.folder / f"{self.trace_key or self.key}.trace.json" if self.folder else None
 
     def load_plan(self) -> Plan | None:
         """The cached plan, or None; an unreadable one is moved aside."""
-        path = self.plan_path
+        return self._load(self.plan_path, load_plan, "plan", "re-planning")
+
+    def load_trace(self) -> Trace | None:
+        """The cached trace of this graph, or None; an unreadable one is moved aside."""
+        return self._load(self.trace_path, load_trace, "trace", "tracing again")
+
+    def _load(self, path: Path | None, load: Callable[[Path], Any], what: str, instead: str) -> Any:
         if path is None or not path.exists():
             return None
         try:
-            plan = load_plan(path)
+            record = load(path)
         except (FormatError, OSError, ValueError) as error:
             aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
             try:
                 path.replace(aside)
-                _warn(f"the cached plan {path} is unreadable ({error}); moved it to {aside} and re-planning")
+                _warn(f"the cached {what} {path} is unreadable ({error}); moved it to {aside} and {instead}")
             except OSError:
-                _warn(f"the cached plan {path} is unreadable ({error}); re-planning")
+                _warn(f"the cached {what} {path} is unreadable ({error}); {instead}")
             return None
         from .planning import say
 
-        say(self.options, f"using cached plan {path}")
-        return plan
+        say(self.options, f"using cached {what} {path}")
+        return record
 
     def save_plan(self, plan: Plan) -> Path | None:
         return self._save(plan, self.plan_path)

@@ -77,10 +77,25 @@ def code_digest() -> str:
 
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
-    shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
     planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets,
                 options.loss_ratio, options.gc_peak_bytes]
-    text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), planning],
+    return _key(gm, example_inputs, planning)
+
+
+def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
+    """Key of a zero-config trace: ``cache_key`` without the options that only the solver reads.
+
+    Plans for other budgets, buckets or loss sides of the same graph are
+    solved from one trace, so they weigh the same measured costs: profiling
+    again would give each plan its own timing noise (a 2-core CPU's spread
+    moves decisions between near-equal options).
+    """
+    return _key(gm, example_inputs, ["trace", list(options.codecs)])
+
+
+def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) -> str:
+    shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
+    text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), options],
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -171,7 +186,8 @@ class GraphPlanner:
         if options.plan is not None:
             self.plan = given_plan(options, self.batch, self.seq_len)
         else:
-            self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options)
+            self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options,
+                                        trace_key=trace_key(gm, example_inputs, options))
             self.plan = self.cache.load_plan()
 
     @property
@@ -202,15 +218,17 @@ class GraphPlanner:
         options = self.options
         try:
             name = f"graph-{self.cache.key[:8]}" if self.cache else "graph"
-            # Profiling runs real tensors: Inductor's fake mode must be off.
-            with unset_fake_temporarily():
-                self.trace = trace_capture(capture, options, self.batch, self.seq_len, name)
+            self.trace = self.cache.load_trace() if self.cache else None
+            if self.trace is None:
+                # Profiling runs real tensors: Inductor's fake mode must be off.
+                with unset_fake_temporarily():
+                    self.trace = trace_capture(capture, options, self.batch, self.seq_len, name)
+                if self.trace.units and self.cache:
+                    self.cache.save_trace(self.trace)
             if not self.trace.units:
                 self.planning = False
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
-            if self.cache:
-                self.cache.save_trace(self.trace)
             self.plan = solve_for(self.trace, options, self.batch, self.seq_len)
         except Exception as error:  # planning never stops training: see fall_back
             if options.strict:

@@ -160,8 +160,13 @@ def loss_side(loss: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ..
 
     run()  # first call: lazy allocations and kernel caches are not the loss's
     outputs.grad = None
-    if torch.device(device).type == "cpu" and not mmap_threshold_set():
-        peak = allocator_peak(run)  # VmHWM would hide the peak in memory malloc kept (module docstring)
+    if torch.device(device).type == "cpu":
+        # The allocator's own count, not VmHWM: the same in every process
+        # (VmHWM moves by pages the heap happens to hold, and on the default
+        # allocator hides the peak in memory malloc kept), so workers with
+        # and without MMAP_THRESHOLD_ENV plan the same loss side and share
+        # one cached plan.
+        peak = allocator_peak(run)
     else:
         peak = measure_step(run, device).peak_bytes
     return max(0.0, peak / (outputs.numel() * outputs.element_size()))

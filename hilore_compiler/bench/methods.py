@@ -226,10 +226,10 @@ class UniformCodecBackend:
         return self.inner.graphs
 
     def _trace(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        from ..backend.planning import cache_key, graph_shape, trace_graph
+        from ..backend.planning import graph_shape, trace_graph, trace_key
         from ..tracefile import load_trace
 
-        key = cache_key(gm, example_inputs, self.options)
+        key = trace_key(gm, example_inputs, self.options)
         path = Path(self.options.cache_dir).expanduser() / f"{key}.trace.json"
         if path.exists():
             return load_trace(path)

@@ -387,3 +387,35 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
     # Recompute is deterministic: GC's gradient is store-all's up to fp32 reordering.
     assert runs["gc"].fidelity["cosine"] > 0.99999
     assert run.run_dir is None  # nothing failed: logs and gradients were cleaned up
+
+
+def test_a_timed_worker_with_another_plan_fails_its_method(tmp_path, monkeypatch):
+    """The peak is measured by one worker and the rounds timed by another: if
+    they ran different plans (an unshared plan cache), the row would pair one
+    plan's peak with another's speed, so the method fails instead."""
+    from hilore_compiler.bench import runner
+
+    digests = iter(["aaaa", "cccc", "bbbb", "cccc"])  # two peak workers, then their timed workers
+
+    class Fake:
+        def __init__(self, config, env, log_path):
+            self.digest = next(digests)
+
+        def request(self, cmd, **fields):
+            if cmd == "measure":
+                return {"samples": [{"seconds": 1.0, "peak_bytes": 7}] * fields["steps"]}
+            return {"compile_s": 1.0, "warmup": [], "info": {"mmap_threshold_set": False,
+                                                             "plan": {"decisions_digest": self.digest}}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runner, "WorkerProcess", Fake)
+    said: list[str] = []
+    launcher = runner.Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, said.append)
+    changed, same = launcher.start("hilore"), launcher.start("hilore-blind")
+    assert changed.peaks == [7] * runner.PEAK_STEPS and changed.worker is None  # the peak worker exited
+    launcher.time(changed)
+    launcher.time(same)
+    assert changed.status == "failed" and "another plan (decisions bbbb) than its peak worker (aaaa)" in changed.error
+    assert same.status == "ok" and same.worker is not None

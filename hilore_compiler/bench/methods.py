@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,13 +321,24 @@ def plan_summary(backend: Any) -> dict[str, Any]:
     plan = graphs[0].plan
     out.update(budget=plan.budget, budget_bytes=plan.budget_bytes, gc_bytes=plan.gc_bytes,
                store_bytes=plan.store_bytes,
-               predicted_memory_bytes={b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip})
+               predicted_memory_bytes={b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip},
+               decisions_digest=_decisions_digest(plan))
+    # What the partitioner applied; empty where Inductor's graph cache served
+    # the compiled graph and no partitioner ran (a bench's timed worker).
     out["records"] = [
         {"bucket": r.bucket, "counts": dict(r.counts), "saved_bytes": r.saved_bytes,
          "default_saved_bytes": r.default_saved_bytes}
         for g in graphs for r in g.records
     ]
     return out
+
+
+def _decisions_digest(plan: Any) -> str:
+    """A short hash of every bucket's decisions: equal digests, the same plan."""
+    import hashlib
+
+    text = json.dumps([[b.bucket.name, b.skip, list(b.decisions)] for b in plan.buckets])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def choose_bucket(backend: Any, exposures: torch.Tensor) -> str | None:

@@ -260,10 +260,11 @@ class Launcher:
         except WorkerError as e:
             run.fail(e, self.progress)
             return
-        if reply["info"].get("plan") != run.info.get("plan"):  # the peak measured would be another plan's
-            run.fail(WorkerError(f"{name}'s timed worker made another plan than its peak worker (the plan "
-                                 f"cache in {self.hilore_cache} was not shared?): "
-                                 f"{reply['info'].get('plan')} against {run.info.get('plan')}"), self.progress)
+        timed, measured = (info.get("plan", {}).get("decisions_digest") for info in (reply["info"], run.info))
+        if timed != measured:  # the peak measured would be another plan's
+            run.fail(WorkerError(f"{name}'s timed worker made another plan (decisions {timed}) than its peak "
+                                 f"worker ({measured}): was the plan cache {self.hilore_cache} not shared?"),
+                     self.progress)
             return
         run.info["timed_worker"] = {"compile_s": reply["compile_s"],
                                     "mmap_threshold_set": reply["info"]["mmap_threshold_set"],

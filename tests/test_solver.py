@@ -26,7 +26,7 @@ from hilore_compiler.solver.budget import format_bytes
 from hilore_compiler.solver.cbc import SolverOptions
 from hilore_compiler.solver.memory import rule_violations
 from hilore_compiler.solver.risk import plan_risk
-from hilore_compiler.solver.planner import verify, verify_risk
+from hilore_compiler.solver.planner import MEASURED_CEILING_HEADROOM, verify, verify_risk
 from hilore_compiler.solver.ilp import BucketWeight
 from hilore_compiler.solver.risk import PROXY_FACTOR, bucket_specs, cosine_to_error2, parse_risk_budget
 from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
@@ -108,16 +108,17 @@ def test_infeasible_budget_names_the_smallest_feasible_one(seed):
 
 def test_infeasible_budget_relative_to_measured_gc_names_a_ratio_of_it():
     """With ``gc_peak_bytes``, the smallest feasible budget's ``x-gc`` is a
-    multiple of that measured peak, the one the budget was read against."""
+    multiple of that measured peak, the one the budget was read against, and
+    includes the headroom plans keep under a measured ceiling."""
     trace = random_trace(100, num_units=5)
     least = min(m for m, _ in brute_force(trace, 1.0, RISK))
     measured = 2 * _model(trace).gc_bytes  # far from the prediction, so the two ratios differ
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(trace, "0.01x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
     ratio = re.search(r"(\d+\.\d+)x-gc", str(info.value).split("smallest")[1])[1]
-    assert float(ratio) == pytest.approx(least / measured, abs=1e-3)
+    assert float(ratio) == pytest.approx(least / (1 - MEASURED_CEILING_HEADROOM) / measured, abs=1e-3)
     plan = solve(trace, f"{ratio}x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
-    assert plan.bucket("b").memory_bytes <= float(ratio) * measured
+    assert plan.bucket("b").memory_bytes <= float(ratio) * measured * (1 - MEASURED_CEILING_HEADROOM)
 
 
 def test_larger_budget_never_gives_a_slower_plan():
@@ -418,7 +419,10 @@ def test_x_gc_budget_follows_a_measured_gc_peak():
     predicted = solve(trace, "1.5x-gc", buckets=1)
     measured = solve(trace, "1.5x-gc", buckets=1, gc_peak_bytes=predicted.gc_bytes * 2)
     assert measured.budget_bytes == math.floor(1.5 * predicted.gc_bytes * 2)
-    assert any("measured peak" in n for n in measured.notes)
+    assert any("measured peak" in n and "1% under it" in n for n in measured.notes)
+    # Under a measured ceiling the predictions keep headroom for the model's error.
+    ceiling = math.floor(measured.budget_bytes * (1 - MEASURED_CEILING_HEADROOM))
+    assert all(b.memory_bytes <= ceiling for b in measured.buckets if not b.skip)
     with pytest.raises(ValueError, match="gc_peak_bytes"):
         solve(trace, "1.5x-gc", gc_peak_bytes=-1)
     with pytest.raises(ValueError, match="loss_ratio"):

@@ -39,7 +39,7 @@ import torch
 from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
-from .process import WorkerError, WorkerProcess
+from .process import WorkerError, WorkerProcess, worker_env
 from .runner import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
@@ -343,32 +343,17 @@ def rss_peaks(config: ActorBenchConfig, method: str, plans: dict[str, str], run_
 
 
 def timing_env(run_dir: Path) -> dict[str, str]:
-    """The environment of timed actor workers: this one, with the run's Inductor cache,
-    on the default allocator as a trainer runs.
-
-    The VmHWM peak needs every large tensor mmapped (``MMAP_THRESHOLD_ENV``,
-    measure.py), which costs page faults on each allocation: 25% on
-    store-all's microbatch, 15% on GC's (bench/overhead.py). So the setting
-    is dropped here, even if the caller set it, and peaks are measured in
-    processes of their own (``rss_peaks``).
-    """
-    import os
-
-    from .measure import MMAP_THRESHOLD_ENV
-
-    env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "inductor")
-    return env
+    """The environment of timed actor workers: the run's Inductor cache, the
+    default allocator (``process.worker_env``); peaks come from ``rss_peaks``."""
+    return worker_env(run_dir / "inductor")
 
 
 def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
     """Solve the plans, set up every method, measure in rounds; returns the report payload."""
     from .actor_report import summarise
-    from .measure import MMAP_THRESHOLD_ENV
 
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
-    env = timing_env(run_dir)
-    peak_env = {**env, **MMAP_THRESHOLD_ENV}
+    env, peak_env = timing_env(run_dir), worker_env(run_dir / "inductor", peak=True)
     runs: dict[str, MethodRun] = {}
     try:
         # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.

@@ -44,7 +44,6 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -210,9 +209,10 @@ def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0) -> Plan:
 class UniformCodecBackend:
     """A dynamo backend: the hilore backend with ``uniform_plan`` of the graph's trace.
 
-    The trace is the one the hilore planner caches for the same options (the
-    ``hilore`` method's), so with a shared cache directory it is the trace the
-    hilore worker already made, even when HiLoRe's own solve failed.
+    The trace is the one the hilore planner caches for the same graph and
+    codecs (``planning.trace_key``), so with a shared cache directory it is
+    the trace the hilore worker already made, even when HiLoRe's own solve
+    failed.
     """
 
     def __init__(self, options: dict[str, Any], codec: str) -> None:
@@ -227,16 +227,16 @@ class UniformCodecBackend:
         return self.inner.graphs
 
     def _trace(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from ..backend.cache import PlanCache
         from ..backend.planning import graph_shape, trace_graph, trace_key
-        from ..tracefile import load_trace
 
         key = trace_key(gm, example_inputs, self.options)
-        path = Path(self.options.cache_dir).expanduser() / f"{key}.trace.json"
-        if path.exists():
-            return load_trace(path)
-        trace = trace_graph(gm, example_inputs, self.options, *graph_shape(example_inputs),
-                            name=f"graph-{key[:8]}")
-        trace.save(path)
+        cache = PlanCache.open(self.options.cache_dir, key, self.options, trace_key=key)
+        trace = cache.load_trace()
+        if trace is None:
+            trace = trace_graph(gm, example_inputs, self.options, *graph_shape(example_inputs),
+                                name=f"graph-{key[:8]}")
+            cache.save_trace(trace)
         return trace
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

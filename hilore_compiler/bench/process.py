@@ -8,12 +8,29 @@ to a log file whose tail is quoted when it fails.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from .measure import MMAP_THRESHOLD_ENV
 from .worker import WorkerConfig
+
+
+def worker_env(inductor_cache: Path, *, peak: bool = False) -> dict[str, str]:
+    """A worker's environment: this one, with ``inductor_cache`` as Inductor's cache.
+
+    ``peak``: with ``MMAP_THRESHOLD_ENV``, which the CPU peak (VmHWM) needs
+    (measure.py). Otherwise the setting is dropped, even if the caller set
+    it: it costs page faults on each allocation (25% on store-all's actor
+    microbatch, 15% on GC's, bench/overhead.py), so a worker that is timed
+    runs on the default allocator, as a trainer does, and peaks are measured
+    by workers of their own.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+    return {**env, **MMAP_THRESHOLD_ENV} if peak else env
 
 
 class WorkerError(RuntimeError):

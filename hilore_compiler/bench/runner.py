@@ -20,7 +20,6 @@ persist there across runs (faster, for repeated runs of one configuration).
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -31,9 +30,9 @@ from typing import Any
 import torch
 
 from ..codecs import codec_names
-from .measure import MMAP_THRESHOLD_ENV, StepSample, gradient_fidelity
+from .measure import StepSample, gradient_fidelity
 from .methods import DEFAULT_METHODS, METHODS, MethodOptions
-from .process import WorkerError, WorkerProcess
+from .process import WorkerError, WorkerProcess, worker_env
 from .search import BudgetSearch, search_budget
 from .worker import WorkerConfig
 
@@ -197,11 +196,10 @@ class Launcher:
         self.config, self.device, self.run_dir, self.progress = config, device, run_dir, progress
         cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
         self.hilore_cache = str(cache / "hilore")
-        env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
-        self.env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+        self.env = worker_env(cache / "inductor")
         #: Whether peaks are measured by workers of their own (CPU, see above).
         self.peaks_apart = device == "cpu"
-        self.peak_env = {**self.env, **MMAP_THRESHOLD_ENV} if self.peaks_apart else self.env
+        self.peak_env = worker_env(cache / "inductor", peak=True) if self.peaks_apart else self.env
         #: Measured peaks of the GC methods set up so far: the ceilings the
         #: HiLoRe methods' ``x-gc`` budgets are multiples of (``REFERENCE_GC``),
         #: so that they plan to the same measured ceiling the report holds

@@ -23,3 +23,14 @@ def pytest_configure(config):
     # classes (a Llama forward, a TRL backbone) with many backends in one
     # process, far more often than a training job does.
     torch._dynamo.config.recompile_limit = 64
+
+
+def pytest_sessionstart(session):
+    import torch
+
+    # Under pytest-xdist each worker would otherwise start one intra-op
+    # thread per core, and two workers on two cores would spin against each
+    # other; the cores are shared out instead.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -39,6 +39,10 @@ RISK = 1e-3  # binds on the random graphs: their squared sensitivities are 2.5e-
 # optimal (plan32's tests check the proven gap at the default limit): CBC's
 # first plans decide alike, and a quarter of the default limit saves a minute.
 QUICK = SolverOptions(time_limit_s=1.0)
+# Where the error budget binds the buckets' plans differ only if CBC solves the
+# joint problem; its limit is wall-clock, and with two test processes on two
+# cores the first plan of the 32-layer trace took over QUICK's 3 s.
+BINDING = SolverOptions(time_limit_s=5.0)
 
 
 def _model(trace: Trace):
@@ -345,6 +349,28 @@ def test_missing_cbc_says_how_to_get_it(monkeypatch):
         solve(random_trace(1, num_units=4), "0.9x-store")
 
 
+def test_known_plans_are_the_answer_when_cbc_finds_none_in_time(monkeypatch):
+    from hilore_compiler.solver import solving
+    from hilore_compiler.solver.cbc import NoPlanInTime
+
+    trace = random_trace(3, num_units=6)
+    model = _model(trace)
+    weights = [BucketWeight(name="b", samples=1.0, error=1.0)]
+    start = {"b": {u.key: STORE for u in model.units}}
+
+    def no_plan(*args, **kwargs):
+        raise NoPlanInTime("CBC found no plan within 0 s")
+
+    monkeypatch.setattr(solving, "run_cbc", no_plan)
+    result = solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
+                                    risk_budget=RISK, options=QUICK, start=start)
+    assert result.decisions == start and result.status == "feasible" and result.bound is None
+    assert result.objective == 0.0  # store-all recovers nothing
+    with pytest.raises(NoPlanInTime):  # nothing known: the error stands
+        solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
+                               risk_budget=RISK, options=QUICK)
+
+
 def test_a_plan_file_is_not_a_trace(tmp_path):
     trace = random_trace(1, num_units=4)
     path = solve(trace, "0.9x-store").save(tmp_path / "plan.json")
@@ -385,7 +411,7 @@ def test_checked_in_traces_buckets_differ_where_the_budget_binds():
         solved = [b for b in default.buckets if not b.skip]
         assert all(any(o.startswith("compress:") for _, o in b.decisions) for b in solved), name
         assert sum(b.risk for b in solved) <= default.risk_budget
-        tight = solve(traces / name, "1.10x-gc", risk_budget="cos>=0.99999", options=QUICK)
+        tight = solve(traces / name, "1.10x-gc", risk_budget="cos>=0.99999", options=BINDING)
         solved = [b for b in tight.buckets if not b.skip]
         assert sum(b.risk for b in solved) > 0.4 * tight.risk_budget, name
         assert len({b.decisions for b in solved}) > 1, f"{name}: buckets collapsed to one plan where the budget binds"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -111,18 +112,26 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     ones, or a smaller budget's). CBC starts cold all the same, because its
     feasibility pump finds better plans than it does from a MIP start; it runs
     from ``start`` only if it found nothing in time, and ``start`` is returned
-    if CBC stopped early with a slower plan.
+    if CBC stopped early with a slower plan or found none even from it.
     """
     make = functools.partial(min_time_problem, budget_bytes=budget_bytes)
     result = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
     if result is None:
         problem, _ = make(model, weights, risk_budget=risk_budget)
+        began = time.perf_counter()
         try:
             result = _run(problem, options, scale=problem.second_unit)
         except NoPlanInTime:
             if start is None:
                 raise
-            result = _run(problem, options, scale=problem.second_unit, start=start)
+            try:
+                result = _run(problem, options, scale=problem.second_unit, start=start)
+            except NoPlanInTime:
+                # A loaded machine can leave CBC no time even from the start;
+                # the start satisfies every constraint, so it is the plan.
+                result = IlpResult(decisions={k: dict(v) for k, v in start.items()}, status="feasible",
+                                   seconds=time.perf_counter() - began,
+                                   objective=expected_time_s(model, weights, start), bound=None)
     if result is not None and start is not None and result.status != "optimal":
         # Stopped early: never return plans slower than the known ones.
         start_s = expected_time_s(model, weights, start)

@@ -118,3 +118,45 @@ def test_graph_break_offline_plan_applies_to_each_graph():
     for graph in backend.graphs:
         (record,) = graph.records
         assert record.matched == record.units > 0  # every unit of each graph had a decision
+
+
+class Rotary(nn.Module):
+    """A rotary embedding computed in forward (cos and sin of a position table,
+    as Llama's is) whose output only pointwise ops and a matmul read."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.out = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        h = self.inp(x)
+        t = torch.arange(x.shape[1], dtype=torch.float32)[:, None]
+        angle = t * 10000.0 ** (-torch.arange(x.shape[2], dtype=torch.float32) / x.shape[2])  # (T, C)
+        y = h * angle.cos() + h.flip(-1) * angle.sin()
+        k = y[:, :, None].expand(-1, -1, 2, -1).reshape(x.shape[0], x.shape[1], -1)  # (B, T, 2C), as GQA's repeat
+        return self.out(k * k)
+
+
+def test_encode_reads_its_value_instead_of_computing_it_again():
+    """An int8 encode reads its input twice (absmax, quantize); Inductor would
+    inline a pointwise root into both loops, evaluating the rotary's sin three
+    times per element (``apply._realized``). The forward code of a plan that
+    compresses every unit evaluates sin as often as one that stores them."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hilore_compiler.solver import fixed_plan
+    from hilore_compiler.solver.fixed import uniform_codec
+
+    torch.manual_seed(0)
+    model, x = Rotary(), torch.randn(2, 64, 32)
+    traced = trace(model, [x], config=TraceConfig(repeats=1, warmup=0, verbose=False, codecs=("int8",)))
+    sines = {}
+    for codec in (None, "int8"):
+        plan = fixed_plan(traced, uniform_codec(codec), buckets=1, codecs=["int8"])
+        compiled = torch.compile(model, backend=HiLoReBackend({"plan": plan, "verbose": False}), dynamic=False)
+        torch._dynamo.reset()
+        _, (forward, *_) = run_and_get_code(lambda: compiled(x).sum().backward())
+        assert ("int8_t" in forward) == (codec is not None)
+        sines[codec] = forward.count("sin(")
+    assert sines["int8"] == sines[None] > 0, sines

@@ -117,6 +117,17 @@ def test_int4_error_at_most_absmax_over_14_and_about_18x_int8s():
         p.numel() * p.element_size() for p in INT4.encode(x))
 
 
+def test_int4_pairs_element_j_with_element_half_plus_j():
+    """The documented layout: byte j holds nibble j low and nibble h + j high,
+    so packing and unpacking read and write contiguous halves of a row."""
+    x = torch.tensor([[7.0, -7.0, 0.0, 1.0, 2.0]])  # N = 5: h = 2, and a tail
+    pairs, tail, scale = INT4.encode(x)
+    q = [int(v) for v in torch.round(x[0] / scale[0, 0]) + 8]  # scale = 1: nibbles 15, 1, 8, 9, 10
+    assert pairs.tolist() == [[q[0] + 16 * q[2], q[1] + 16 * q[3]]]
+    assert tail.tolist() == [[q[4]]]
+    assert torch.equal(INT4.decode((pairs, tail, scale), torch.float32), x)
+
+
 def test_bf16_relative_error_at_most_2_pow_minus_8():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     rel = ((BF16.decode(BF16.encode(x), torch.float32) - x).abs() / x.abs()).max()

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
 from .capture import GraphCapture, capture_joint_graphs
+from .allocator import default_allocator
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from ..sizeexpr import format_size
@@ -230,10 +231,11 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         graph_units = annotate_units(capture.joint, capture.saved_names, prefix)
         step = max(1, len(graph_units) // 10)
         profiled = []
-        for i, unit in enumerate(graph_units):
-            profiled.append(_profile(unit, capture.values, symbols, profile_config))
-            if (i + 1) % step == 0 or i + 1 == len(graph_units):
-                say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
+        with default_allocator():
+            for i, unit in enumerate(graph_units):
+                profiled.append(_profile(unit, capture.values, symbols, profile_config))
+                if (i + 1) % step == 0 or i + 1 == len(graph_units):
+                    say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
         units += profiled
         # GC's backward also re-runs one unit's region at a time: its workspace.
         workspace = largest((parse_size(u.recompute_transient) for u in profiled), batch, seq_len)

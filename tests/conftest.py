@@ -10,6 +10,8 @@ not ~/.cache. Dynamo's per-frame recompile limit is raised (see below).
 import os
 import tempfile
 
+import pytest
+
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 os.environ.setdefault("HILORE_CACHE_DIR", tempfile.mkdtemp(prefix="hilore-test-cache-"))
@@ -34,3 +36,20 @@ def pytest_sessionstart(session):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_dynamo():
+    """Each test module starts with dynamo's per-code state cleared.
+
+    Dynamo remembers every shape it has compiled a code object at, for the
+    process: after a module compiled the built-in Llama's forward at (1, 16),
+    the next module's first compile at (2, 32) came out dynamic (automatic
+    dynamic shapes), and hilore rightly fell back to plain Inductor for it.
+    Under pytest-xdist which modules share a process changes with the file
+    list, so without this a module's result depended on its neighbours.
+    """
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

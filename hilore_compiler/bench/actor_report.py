@@ -14,15 +14,12 @@ a 95% interval (``paired.py``): the methods of one round ran back to back.
 from __future__ import annotations
 
 import datetime
-import platform
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from .actor import LABELS, ActorBenchConfig
 from .paired import paired_ratio
-from .report import Spread
+from .report import Spread, environment
 from .runner import MethodRun
 
 ACTOR_SCHEMA = "hilore.bench-actor/v1"
@@ -76,8 +73,7 @@ def summarise(config: ActorBenchConfig, runs: dict[str, MethodRun], plans: dict[
         "schema": ACTOR_SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {**asdict(config), "methods": list(config.methods)},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "cpu_count": __import__("os").cpu_count()},
+        "machine": environment(config.device),
         "plans": {"info": plans["info"], "mix": plans["mix"]},
         "rows": [_row(r, runs.get("gc"), runs.get("hilore-blind"), plans) for r in runs.values()],
     }

@@ -205,6 +205,40 @@ def test_paired_ratio_pairs_round_medians():
     assert pr.rounds == 2 and pr.ratio == pytest.approx(2.0) and pr.low == pytest.approx(2.0)
 
 
+def test_settling_rounds_run_alternating_and_stay_out_of_the_ratios():
+    from hilore_compiler.bench.runner import measure_rounds
+
+    class Worker:
+        """Each method's first two steps after set-up are slow, as after a long wait."""
+
+        def __init__(self, seconds):
+            self.seconds, self.steps = seconds, 0
+
+        def request(self, cmd, steps):
+            self.steps += steps
+            slow = [3.0 if i < 2 else 1.0 for i in range(self.steps - steps, self.steps)]
+            return {"samples": [{"seconds": self.seconds * f, "peak_bytes": 0} for f in slow]}
+
+    runs = [MethodRun(method="gc", worker=Worker(2.0)), MethodRun(method="hilore", worker=Worker(1.0))]
+    said: list[str] = []
+    config = BenchConfig(model="tiny", repeats=3, steps_per_round=2, settle_rounds=1)
+    measure_rounds(runs, config, said.append, settle=config.settle_rounds)
+    for run in runs:
+        assert [s.round for s in run.settle] == [-1, -1] and [s.round for s in run.samples] == [0, 0, 1, 1, 2, 2]
+    gc, hilore = runs
+    assert paired_ratio(hilore.samples, gc.samples, tokens=1).ratio == pytest.approx(2.0)
+    assert gc.settle[0].seconds == 6.0 and len(gc.samples) == 3 * 2
+    assert said[0].startswith("settling round 1/1 (not counted)") and said[-1].startswith("round 3/3")
+    # Without settling, the slow steps land in round 0 (tokens/s, not seconds, are paired).
+    unsettled = [MethodRun(method="gc", worker=Worker(2.0)), MethodRun(method="hilore", worker=Worker(1.0))]
+    measure_rounds(unsettled, config, lambda _: None)
+    assert unsettled[0].samples[0].round == 0 and unsettled[0].samples[0].seconds == 6.0
+    assert "settle" in to_json(summarise(BenchRun(config=config, device="cpu", runs=tuple(runs), budget_search=None,
+                                                  run_dir=None)))["methods"][0]
+    with pytest.raises(ValueError, match="settle_rounds"):
+        BenchConfig(settle_rounds=-1)
+
+
 # --- report ----------------------------------------------------------------
 
 def _run(method: str, seconds: float, peak_mb: float, cosine: float = 1.0) -> MethodRun:
@@ -380,6 +414,7 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
         # At this size a step may fit in pages the process already holds: peak >= 0, not > 0.
         assert len(r.samples) == 2 and all(s.seconds > 0 and s.peak_bytes >= 0 for s in r.samples)
         assert [s.round for s in r.samples] == [0, 1]  # tagged for the paired ratios
+        assert [s.round for s in r.settle] == [-1]  # the settling round: timed, not counted
         # Peaks from a worker with the VmHWM allocator setting, rounds timed by one without it.
         assert len(r.peaks) == PEAK_STEPS and r.info["mmap_threshold_set"] and r.info["threads"] == 1
         assert r.info["timed_worker"]["mmap_threshold_set"] is False

@@ -43,7 +43,8 @@ class StepSample:
     seconds: float
     #: Peak bytes the step added over what the process held before it.
     peak_bytes: int
-    #: The round of alternation it was measured in (runner); None: warm-up.
+    #: The round of alternation it was measured in (runner); negative: a
+    #: settling round, not counted; None: warm-up.
     round: int | None = None
 
 

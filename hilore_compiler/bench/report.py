@@ -320,7 +320,7 @@ def to_json(report: BenchReport) -> dict[str, Any]:
     for s, r in zip(report.stats, run.runs):
         methods.append({**asdict(s), "info": r.info, "fidelity": r.fidelity,
                         "peaks": list(r.peaks), "samples": [asdict(x) for x in r.samples],
-                        "warmup": [asdict(x) for x in r.warmup]})
+                        "warmup": [asdict(x) for x in r.warmup], "settle": [asdict(x) for x in r.settle]})
     return {
         "schema": BENCH_SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -61,6 +61,13 @@ class BenchConfig:
     #: Measured steps right after compiling, not counted in the rounds
     #: (their peaks steer the pt-budget search).
     warmup: int = 2
+    #: Rounds run, alternating, after every worker is set up and before the
+    #: counted ones; their steps are kept apart (``MethodRun.settle``). A
+    #: worker set up first waits through every later set-up, and its first
+    #: steps after that ran slow: GC's first step of round 1 took 4.03 s
+    #: against 1.62 s from round 2 on, which lifted HiLoRe's paired ratio
+    #: over GC from 1.205 to 1.251 in the run of commit 5f23749.
+    settle_rounds: int = 1
     #: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
     device: str = "auto"
     #: Seeds the weights and the batch.
@@ -90,8 +97,8 @@ class BenchConfig:
         for name in ("batch", "repeats", "steps_per_round", "budget_probes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 2 or self.warmup < 0:
-            raise ValueError("seq_len must be >= 2 and warmup >= 0")
+        if self.seq_len < 2 or self.warmup < 0 or self.settle_rounds < 0:
+            raise ValueError("seq_len must be >= 2, warmup >= 0 and settle_rounds >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:
@@ -138,6 +145,8 @@ class MethodRun:
     error: str | None = None
     compile_s: float | None = None
     warmup: list[StepSample] = field(default_factory=list)
+    #: Steps of the settling rounds (``BenchConfig.settle_rounds``): timed, not counted.
+    settle: list[StepSample] = field(default_factory=list)
     samples: list[StepSample] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     grad_path: str | None = None
@@ -317,10 +326,12 @@ def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | Non
     return None
 
 
-def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progress, *, peaks: bool = True) -> None:
-    """``repeats`` rounds; each live method measures ``steps_per_round`` steps per round
-    (``peaks``: whether progress lines show the samples' peaks, ``describe``)."""
-    for r in range(config.repeats):
+def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, peaks: bool = True,
+                   settle: int = 0) -> None:
+    """``settle`` uncounted rounds, then ``config.repeats`` counted ones; each live method
+    measures ``config.steps_per_round`` steps per round (``peaks``: whether progress
+    lines show the samples' peaks, ``describe``). Settling steps go to ``run.settle``."""
+    for r in range(-settle, config.repeats):
         live = [run for run in runs if run.worker is not None]
         if not live:
             return
@@ -332,7 +343,15 @@ def measure_rounds(runs: list[MethodRun], config: BenchConfig, progress: Progres
                 run.fail(e, progress)
                 continue
             # Tagged with the round: the report pairs each method's round with GC's.
-            run.samples += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
+            samples = [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
+            if r < 0:
+                run.settle += samples
+            else:
+                run.samples += samples
+        if r < 0:
+            done = ", ".join(f"{run.method} {describe(run.settle, peak=peaks)}" for run in live if run.worker)
+            progress(f"settling round {r + settle + 1}/{settle} (not counted): {done}")
+            continue
         done = ", ".join(f"{run.method} {describe(run.samples, peak=peaks)}" for run in live if run.worker)
         progress(f"round {r + 1}/{config.repeats}: {done}")
 
@@ -374,7 +393,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
         predict_baselines(runs)
         for run in runs.values():
             launcher.time(run)
-        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart)
+        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart,
+                       settle=config.settle_rounds)
     finally:
         close_workers(runs.values())
     compare_grads(runs)

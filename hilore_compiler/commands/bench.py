@@ -37,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-round", type=int,
                    help=f"measured steps per method per round (default {d.steps_per_round})")
     p.add_argument("--warmup", type=int, help=f"steps after compiling, not in the rounds (default {d.warmup})")
+    p.add_argument("--settle-rounds", type=int,
+                   help=f"alternating rounds after every set-up, before the counted ones, not counted "
+                        f"(default {d.settle_rounds})")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
                                      f"(default {','.join(d.methods)})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"(default {d.device})")

@@ -320,6 +320,49 @@ def test_report_reads_peaks_from_the_peak_workers_where_they_ran():
     assert json.loads(json.dumps(to_json(report)))["methods"][1]["peaks"] == hilore.peaks
 
 
+def test_on_cuda_one_worker_sets_up_measures_the_peak_and_is_timed(tmp_path, monkeypatch):
+    """The CUDA path, without a GPU: no peak worker of its own (max_memory_allocated
+    needs no allocator setting), no second worker for the rounds, the GC peak the
+    x-gc budgets refer to read from the warm-up, and peaks read from the timed steps."""
+    from hilore_compiler.bench import runner
+
+    started: list[tuple[str, dict]] = []
+
+    class Fake:
+        def __init__(self, config, env, log_path):
+            started.append((config.method, env))
+            self.config, self.peak = config, {"gc": 100, "hilore": 108}[config.method] * 10**6
+
+        def request(self, cmd, **fields):
+            sample = {"seconds": 1.0, "peak_bytes": self.peak}
+            if cmd == "measure":
+                return {"samples": [sample] * fields["steps"]}
+            return {"compile_s": 1.0, "warmup": [sample] * self.config.warmup,
+                    "info": {"plan": {"gc_bytes": 95 * 10**6}} if self.config.method == "hilore" else {}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runner, "WorkerProcess", Fake)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")  # the report names the device
+    config = BenchConfig(model="tiny", methods=("gc", "hilore"), repeats=2, device="cuda")
+    launcher = runner.Launcher(config, "cuda", tmp_path, lambda _: None)
+    assert launcher.peaks_apart is False and "MALLOC_MMAP_THRESHOLD_" not in launcher.peak_env
+    gc = launcher.start("gc")
+    launcher.gc_peaks["gc"] = int(runner.warm_peak(gc))
+    hilore = launcher.start("hilore")
+    assert hilore.worker_config.options.gc_peak_bytes == 100 * 10**6  # the x-gc ceiling: GC's measured peak
+    for run in (gc, hilore):
+        launcher.time(run)
+        assert run.worker is not None and run.peaks == []  # the set-up worker is the timed one
+    assert [m for m, _ in started] == ["gc", "hilore"]
+    runner.measure_rounds([gc, hilore], config, lambda _: None, settle=1)
+    report = summarise(BenchRun(config=config, device="cuda", runs=(gc, hilore), budget_search=None, run_dir=None))
+    stats = {s.method: s for s in report.stats}
+    assert stats["hilore"].peak_vs_gc == pytest.approx(1.08) and stats["hilore"].paired_vs_gc.rounds == 2
+    assert report.environment["cuda_device"] == "NVIDIA H200"
+
+
 def test_whole_step_targets_pair_rounds_against_gc_chunked():
     config = BenchConfig(model="tiny", batch=2, seq_len=128, methods=("gc-chunked", "hilore-step"))
     runs = (_rounds_run("gc-chunked", 1.25, 340), _rounds_run("hilore-step", 1.1, 337, cosine=0.99997))

@@ -200,9 +200,24 @@ def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monk
     said.clear()
     second = actor.solve_plans(config, again_dir, said.append, calibrated=kept)
     assert said[0] == f"reading the calibrated trace {kept}"
-    for name in ("buckets", "blind"):
+    for name in ("buckets", "blind", "uniform"):
         plans = [load_plan(solved["paths"][name]) for solved in (first, second)]
         assert [b.decisions for b in plans[0].buckets] == [b.decisions for b in plans[1].buckets]
+    # uniform-int8: one bucket, int8 wherever usable, its peak predicted with the update's terms.
+    (uniform,) = [b for b in load_plan(first["paths"]["uniform"]).buckets if not b.skip]
+    options = {u.key: {o.option for o in u.options} for u in load_plan(first["paths"]["uniform"]).units}
+    decisions = dict(uniform.decisions)
+    assert set(decisions.values()) <= {"compress:int8", "store"} and len(decisions) == len(options)
+    assert all((d == "compress:int8") == ("compress:int8" in options[k]) for k, d in decisions.items())
+    assert first["info"]["uniform"]["buckets"]["b0"]["memory_bytes"] > 0
+
+
+def test_uniform_int8_needs_int8_among_the_codecs():
+    from hilore_compiler.bench.actor import ActorBenchConfig
+
+    with pytest.raises(ValueError, match="uniform-int8 needs int8 among the codecs, got bf16"):
+        ActorBenchConfig(codecs=("bf16",))
+    assert "uniform-int8" not in ActorBenchConfig(codecs=("bf16",), methods=("gc", "hilore-blind")).methods
 
 
 def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp_path, monkeypatch):
@@ -221,8 +236,9 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
         r.info = {"tokens": 1000}
         return r
 
-    def measure_rounds(runs, config, progress, *, peaks=True):
+    def measure_rounds(runs, config, progress, *, peaks=True, settle=0):
         assert not peaks  # the rounds' VmHWM measures nothing on the default allocator
+        assert settle == 1  # the first round after the set-ups is not counted
         for r in runs:
             r.samples = [StepSample(seconds=1.0, peak_bytes=999, round=0)]
 

@@ -17,6 +17,8 @@ real GRPO step, so that bucketing and the zero-exposure skip are measured:
 
 Methods (each in its own worker process, measured in alternating rounds as
 ``runner.py`` does): ``store-all`` (the exact reference), ``gc``,
+``uniform-int8`` (int8 wherever the codec is usable, blind to exposure and
+cost: the step bench's fastest baseline within 1.10x GC's peak),
 ``hilore-blind`` (one plan for every sample: the same memory and error budget,
 solved as if one bucket held the whole update), ``hilore-buckets`` (the joint
 per-bucket plan for this batch's exposure mix) and ``hilore-skip`` (the same
@@ -43,14 +45,17 @@ from .process import WorkerError, WorkerProcess, worker_env
 from .runner import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
-ACTOR_METHODS = ("store-all", "gc", "hilore-blind", "hilore-buckets", "hilore-skip")
+ACTOR_METHODS = ("store-all", "gc", "uniform-int8", "hilore-blind", "hilore-buckets", "hilore-skip")
+#: The plan (``solve_plans``'s ``paths``) each planned method runs.
+PLAN_OF = {"uniform-int8": "uniform", "hilore-blind": "blind", "hilore-buckets": "buckets",
+           "hilore-skip": "buckets"}
 #: Methods that need no plan, set up before the plans are solved.
 BASELINES = ("store-all", "gc")
 #: Codecs whose error binds the default error budget: calibrated unit by unit.
 LOSSY_CODECS = ("int4",)
 #: Microbatches of the batch the trace is calibrated on, spread over it.
 CALIBRATION_MICROBATCHES = 4
-LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)",
+LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)", "uniform-int8": "uniform int8",
           "hilore-blind": "HiLoRe, one plan (exposure-blind)", "hilore-buckets": "HiLoRe, buckets",
           "hilore-skip": "HiLoRe, buckets + zero skip"}
 
@@ -85,6 +90,8 @@ class ActorBenchConfig:
     #: Updates per method per round, and right after compiling.
     steps_per_round: int = 1
     warmup: int = 1
+    #: Uncounted rounds after every set-up (``runner.BenchConfig.settle_rounds``).
+    settle_rounds: int = 1
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
@@ -97,6 +104,9 @@ class ActorBenchConfig:
             raise ValueError("need 0 < prompt_len < seq_len - 1, microbatch >= 1 and groups >= 1")
         if self.loss_type not in ("dapo", "grpo"):
             raise ValueError(f"loss_type must be dapo or grpo, got {self.loss_type!r}")
+        if "uniform-int8" in self.methods and "int8" not in self.codecs:
+            raise ValueError(f"uniform-int8 needs int8 among the codecs, got {','.join(self.codecs) or 'none'}: "
+                             "add it to --codecs or leave uniform-int8 out of --methods")
 
 
 def loss_config(config: ActorBenchConfig) -> GRPOConfig:
@@ -219,7 +229,7 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
     """
     from ..evaluation.arms import trace_policy
     from ..models import build_model
-    from ..solver import predicted_error, solve
+    from ..solver import fixed_plan, predicted_error, solve, uniform_codec
     from ..solver.fixed import exposure_blind_plan
     from ..tracefile import load_trace
 
@@ -247,6 +257,10 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
                   loss_ratio=ratio, gc_peak_bytes=gc_peak_bytes, accumulate_gradients=True)
     plans = {"buckets": solve(trace, config.budget, **common),
              "blind": exposure_blind_plan(trace, config.budget, **common)}
+    if "uniform-int8" in config.methods:  # one bucket; its peak is predicted as the others' are
+        plans["uniform"] = fixed_plan(trace, uniform_codec("int8"), buckets=1, codecs=list(config.codecs),
+                                      exposure_mix=mix, label="uniform-int8", loss_ratio=ratio,
+                                      accumulate_gradients=True)
     paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}
     info = {name: {"predicted_error": predicted_error(p), "budget_bytes": p.budget_bytes,
                    "distinct_plans": len({b.decisions for b in p.buckets if not b.skip}),
@@ -366,7 +380,7 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         plans = solve_plans(config, run_dir, progress, gc_peak_bytes=gc_peak)
         for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
-        measure_rounds(list(runs.values()), config, progress, peaks=False)
+        measure_rounds(list(runs.values()), config, progress, peaks=False, settle=config.settle_rounds)
         for run in (r for r in runs.values() if r.worker is not None):
             run.info["tensor_peak_bytes"] = tensor_peak(config, run.method, run_dir, env, progress, run.worker)
         close_workers(runs.values())

@@ -17,7 +17,7 @@ import datetime
 from dataclasses import asdict
 from typing import Any
 
-from .actor import LABELS, ActorBenchConfig
+from .actor import LABELS, PLAN_OF, ActorBenchConfig
 from .paired import paired_ratio
 from .report import Spread, environment
 from .runner import MethodRun
@@ -49,7 +49,7 @@ def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: d
         gc_rate = Spread.of([gc.info["tokens"] / s.seconds for s in gc.samples]).median
         gc_peaks = _peak(gc)
         gc_peak = None if gc_peaks is None else gc_peaks.median
-    plan = {"hilore-blind": "blind", "hilore-buckets": "buckets", "hilore-skip": "buckets"}.get(run.method)
+    plan = PLAN_OF.get(run.method)
     return {
         "method": run.method, "label": LABELS[run.method], "status": run.status, "error": run.error,
         "tokens_per_s": None if rate is None else asdict(rate),

@@ -25,7 +25,7 @@ from ..evaluation.arms import FixedBatch
 from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
 from ..models import build_model
 from ..planfile import load_plan
-from .actor import ActorBenchConfig, loss_config, make_batch, worker_payload
+from .actor import PLAN_OF, ActorBenchConfig, loss_config, make_batch, worker_payload
 from .measure import StepSample, allocator_peak, measure_step
 from .methods import wrap_layers
 from .worker import flat_grad, serve_requests
@@ -64,7 +64,7 @@ class ActorWorker:
             return FixedBatch(torch.compile(wrap_layers(self.model), dynamic=False), micro), None, None
         from ..backend import HiLoReBackend
 
-        plan = load_plan(plans["blind" if self.method == "hilore-blind" else "buckets"])
+        plan = load_plan(plans[PLAN_OF[self.method]])
         backend = HiLoReBackend({"plan": plan, "codecs": self.config.codecs, "verbose": False,
                                  "cache_dir": os.path.dirname(self.grad_path)})
         compiled = torch.compile(self.model, backend=backend, dynamic=False)

@@ -103,7 +103,8 @@ def actor_config_from_args(args: argparse.Namespace):
 
     names = {"model": "model", "seq_len": "seq_len", "repeats": "repeats", "threads": "threads",
              "hilore_budget": "budget", "loss_type": "loss_type", "risk_budget": "risk_budget",
-             "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round"}
+             "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round",
+             "settle_rounds": "settle_rounds"}
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
     if getattr(args, "codecs", None):
         values["codecs"] = codec_list(args.codecs)

@@ -272,4 +272,5 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["gc"]["peak_bytes"]["median"] == 100 and rows["hilore-skip"]["peak_vs_gc"] == pytest.approx(1.1)
     assert rows["hilore-blind"]["peak_bytes"] is None  # its peak process failed; the rounds' 999 is no peak
+    assert rows["gc"]["samples"] == [{"seconds": 1.0, "peak_bytes": 999, "round": 0}]  # kept for later pairings
     assert "hilore-blind: no peak: boom" in said

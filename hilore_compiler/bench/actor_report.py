@@ -64,6 +64,8 @@ def _row(run: MethodRun, gc: MethodRun | None, blind: MethodRun | None, plans: d
         "predicted_peak_bytes": None if plan is None else max(
             b["memory_bytes"] for b in plans["info"][plan]["buckets"].values()),
         "compile_s": run.compile_s, "info": run.info,
+        # Per-round updates, so that any two methods can be paired later (paired.paired_ratio).
+        "samples": [asdict(x) for x in run.samples], "settle": [asdict(x) for x in run.settle],
     }
 
 

@@ -229,9 +229,10 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
     """
     from ..evaluation.arms import trace_policy
     from ..models import build_model
-    from ..solver import fixed_plan, predicted_error, solve, uniform_codec
+    from ..solver import predicted_error, solve
     from ..solver.fixed import exposure_blind_plan
     from ..tracefile import load_trace
+    from .methods import uniform_plan
 
     policy = build_model(config.model, seed=config.seed)
     batch = make_batch(policy, config)
@@ -258,9 +259,8 @@ def solve_plans(config: ActorBenchConfig, run_dir: Path, progress: Progress,
     plans = {"buckets": solve(trace, config.budget, **common),
              "blind": exposure_blind_plan(trace, config.budget, **common)}
     if "uniform-int8" in config.methods:  # one bucket; its peak is predicted as the others' are
-        plans["uniform"] = fixed_plan(trace, uniform_codec("int8"), buckets=1, codecs=list(config.codecs),
-                                      exposure_mix=mix, label="uniform-int8", loss_ratio=ratio,
-                                      accumulate_gradients=True)
+        plans["uniform"] = uniform_plan(trace, "int8", ratio, codecs=list(config.codecs), exposure_mix=mix,
+                                        accumulate_gradients=True)
     paths = {name: str(plan.save(run_dir / f"plan-{name}.json")) for name, plan in plans.items()}
     info = {name: {"predicted_error": predicted_error(p), "budget_bytes": p.budget_bytes,
                    "distinct_plans": len({b.decisions for b in p.buckets if not b.skip}),

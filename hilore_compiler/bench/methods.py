@@ -194,16 +194,20 @@ def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None) -
     return model
 
 
-def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0) -> Plan:
+def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0, **terms: Any) -> Plan:
     """A plan with ``compress:<codec>`` on every unit where the codec is usable, else ``store``.
 
     One bucket (one compiled variant): the decisions ignore exposure and cost.
     ``solver.fixed`` checks them against the rules and predicts their bytes
-    (with the loss's peak, ``loss_ratio``, as HiLoRe's plans are).
+    (with the loss's peak, ``loss_ratio``, as HiLoRe's plans are). ``terms``
+    go to ``fixed_plan`` too (``codecs``, ``exposure_mix``,
+    ``accumulate_gradients``: the actor bench predicts its peak as it does
+    the solved plans').
     """
     from ..solver import fixed_plan, uniform_codec
 
-    return fixed_plan(trace, uniform_codec(codec), buckets=1, label=f"uniform-{codec}", loss_ratio=loss_ratio)
+    return fixed_plan(trace, uniform_codec(codec), buckets=1, label=f"uniform-{codec}", loss_ratio=loss_ratio,
+                      **terms)
 
 
 class UniformCodecBackend:

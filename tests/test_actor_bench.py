@@ -236,9 +236,9 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
         r.info = {"tokens": 1000}
         return r
 
-    def measure_rounds(runs, config, progress, *, peaks=True, settle=0):
+    def measure_rounds(runs, config, progress, *, peaks=True):
         assert not peaks  # the rounds' VmHWM measures nothing on the default allocator
-        assert settle == 1  # the first round after the set-ups is not counted
+        assert config.settle_rounds == 1  # the first round after the set-ups is not counted
         for r in runs:
             r.samples = [StepSample(seconds=1.0, peak_bytes=999, round=0)]
 

@@ -222,7 +222,7 @@ def test_settling_rounds_run_alternating_and_stay_out_of_the_ratios():
     runs = [MethodRun(method="gc", worker=Worker(2.0)), MethodRun(method="hilore", worker=Worker(1.0))]
     said: list[str] = []
     config = BenchConfig(model="tiny", repeats=3, steps_per_round=2, settle_rounds=1)
-    measure_rounds(runs, config, said.append, settle=config.settle_rounds)
+    measure_rounds(runs, config, said.append)
     for run in runs:
         assert [s.round for s in run.settle] == [-1, -1] and [s.round for s in run.samples] == [0, 0, 1, 1, 2, 2]
     gc, hilore = runs
@@ -231,7 +231,7 @@ def test_settling_rounds_run_alternating_and_stay_out_of_the_ratios():
     assert said[0].startswith("settling round 1/1 (not counted)") and said[-1].startswith("round 3/3")
     # Without settling, the slow steps land in round 0 (tokens/s, not seconds, are paired).
     unsettled = [MethodRun(method="gc", worker=Worker(2.0)), MethodRun(method="hilore", worker=Worker(1.0))]
-    measure_rounds(unsettled, config, lambda _: None)
+    measure_rounds(unsettled, dataclasses.replace(config, settle_rounds=0), lambda _: None)
     assert unsettled[0].samples[0].round == 0 and unsettled[0].samples[0].seconds == 6.0
     assert "settle" in to_json(summarise(BenchRun(config=config, device="cpu", runs=tuple(runs), budget_search=None,
                                                   run_dir=None)))["methods"][0]
@@ -356,7 +356,7 @@ def test_on_cuda_one_worker_sets_up_measures_the_peak_and_is_timed(tmp_path, mon
         launcher.time(run)
         assert run.worker is not None and run.peaks == []  # the set-up worker is the timed one
     assert [m for m, _ in started] == ["gc", "hilore"]
-    runner.measure_rounds([gc, hilore], config, lambda _: None, settle=1)
+    runner.measure_rounds([gc, hilore], config, lambda _: None)
     report = summarise(BenchRun(config=config, device="cuda", runs=(gc, hilore), budget_search=None, run_dir=None))
     stats = {s.method: s for s in report.stats}
     assert stats["hilore"].peak_vs_gc == pytest.approx(1.08) and stats["hilore"].paired_vs_gc.rounds == 2

@@ -380,7 +380,7 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         plans = solve_plans(config, run_dir, progress, gc_peak_bytes=gc_peak)
         for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
-        measure_rounds(list(runs.values()), config, progress, peaks=False, settle=config.settle_rounds)
+        measure_rounds(list(runs.values()), config, progress, peaks=False)
         for run in (r for r in runs.values() if r.worker is not None):
             run.info["tensor_peak_bytes"] = tensor_peak(config, run.method, run_dir, env, progress, run.worker)
         close_workers(runs.values())

@@ -326,11 +326,13 @@ def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | Non
     return None
 
 
-def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, peaks: bool = True,
-                   settle: int = 0) -> None:
-    """``settle`` uncounted rounds, then ``config.repeats`` counted ones; each live method
-    measures ``config.steps_per_round`` steps per round (``peaks``: whether progress
-    lines show the samples' peaks, ``describe``). Settling steps go to ``run.settle``."""
+def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, peaks: bool = True) -> None:
+    """``config.settle_rounds`` uncounted rounds, then ``config.repeats`` counted ones; each
+    live method measures ``config.steps_per_round`` steps per round (``peaks``: whether
+    progress lines show the samples' peaks, ``describe``). Settling steps go to ``run.settle``.
+
+    ``config`` is a ``BenchConfig`` or an ``actor.ActorBenchConfig``."""
+    settle = config.settle_rounds
     for r in range(-settle, config.repeats):
         live = [run for run in runs if run.worker is not None]
         if not live:
@@ -343,17 +345,13 @@ def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, pe
                 run.fail(e, progress)
                 continue
             # Tagged with the round: the report pairs each method's round with GC's.
-            samples = [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
-            if r < 0:
-                run.settle += samples
-            else:
-                run.samples += samples
-        if r < 0:
-            done = ", ".join(f"{run.method} {describe(run.settle, peak=peaks)}" for run in live if run.worker)
-            progress(f"settling round {r + settle + 1}/{settle} (not counted): {done}")
-            continue
-        done = ", ".join(f"{run.method} {describe(run.samples, peak=peaks)}" for run in live if run.worker)
-        progress(f"round {r + 1}/{config.repeats}: {done}")
+            kept = run.settle if r < 0 else run.samples
+            kept += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
+        which = (f"settling round {r + settle + 1}/{settle} (not counted)" if r < 0
+                 else f"round {r + 1}/{config.repeats}")
+        done = ", ".join(f"{run.method} {describe(run.settle if r < 0 else run.samples, peak=peaks)}"
+                         for run in live if run.worker)
+        progress(f"{which}: {done}")
 
 
 def _pt_budget(launcher: Launcher, runs: dict[str, MethodRun],
@@ -393,8 +391,7 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
         predict_baselines(runs)
         for run in runs.values():
             launcher.time(run)
-        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart,
-                       settle=config.settle_rounds)
+        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart)
     finally:
         close_workers(runs.values())
     compare_grads(runs)

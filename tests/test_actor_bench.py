@@ -135,7 +135,8 @@ def test_cli_actor_update_codecs_default_to_bf16_int8_and_take_int4():
 
 def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
     """A method 1.25x GC's speed in every round, through a machine that slows
-    down 3x: the paired ratio is exactly 1.25 with a zero-width interval."""
+    down 3x: the paired ratio is exactly 1.25 with a zero-width interval. A
+    skipping method is paired with GC and the blind plan skipping too."""
     from hilore_compiler.bench.actor import ActorBenchConfig
     from hilore_compiler.bench.actor_report import summarise
     from hilore_compiler.bench.measure import StepSample
@@ -149,17 +150,32 @@ def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
         r.samples = [StepSample(seconds=t / speedup, peak_bytes=1, round=i) for i, t in enumerate(slow)]
         return r
 
-    runs = {"gc": run("gc", 1.0), "hilore-blind": run("hilore-blind", 1.1), "hilore-skip": run("hilore-skip", 1.25)}
+    runs = {"gc": run("gc", 1.0), "hilore-blind": run("hilore-blind", 1.1), "hilore-buckets": run("hilore-buckets", 1.25)}
     plans = {"info": {"blind": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 7}}},
                       "buckets": {"predicted_error": 0.0, "buckets": {"zero": {"memory_bytes": 0},
                                                                       "b0": {"memory_bytes": 9}}}}, "mix": []}
     rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
-    assert [rows[m]["predicted_peak_bytes"] for m in ("gc", "hilore-blind", "hilore-skip")] == [None, 7, 9]
-    skip = rows["hilore-skip"]
-    assert skip["paired_vs_gc"]["ratio"] == pytest.approx(1.25) and skip["paired_vs_gc"]["rounds"] == 3
-    assert skip["paired_vs_gc"]["high"] - skip["paired_vs_gc"]["low"] == pytest.approx(0, abs=1e-9)
-    assert skip["paired_vs_blind"]["ratio"] == pytest.approx(1.25 / 1.1)
+    assert [rows[m]["predicted_peak_bytes"] for m in ("gc", "hilore-blind", "hilore-buckets")] == [None, 7, 9]
+    buckets = rows["hilore-buckets"]
+    assert buckets["paired_vs_gc"]["ratio"] == pytest.approx(1.25) and buckets["paired_vs_gc"]["rounds"] == 3
+    assert buckets["paired_vs_gc"]["high"] - buckets["paired_vs_gc"]["low"] == pytest.approx(0, abs=1e-9)
+    assert buckets["paired_vs_blind"]["ratio"] == pytest.approx(1.25 / 1.1)
     assert rows["gc"]["paired_vs_gc"] is None and rows["hilore-blind"]["paired_vs_blind"] is None
+
+    # The zero skip without GC or the blind plan skipping: nothing to pair it with.
+    runs["hilore-skip"] = run("hilore-skip", 1.5)
+    rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
+    assert rows["hilore-skip"]["paired_vs_gc"] is None and rows["hilore-skip"]["paired_vs_blind"] is None
+    assert rows["hilore-skip"]["speed_vs_gc"] == pytest.approx(1.5)  # unpaired, against plain GC
+    runs |= {"gc-skip": run("gc-skip", 1.2), "hilore-blind-skip": run("hilore-blind-skip", 1.4)}
+    rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
+    skip = rows["hilore-skip"]
+    assert skip["paired_with"] == {"gc": "gc-skip", "blind": "hilore-blind-skip"}
+    assert skip["paired_vs_gc"]["ratio"] == pytest.approx(1.5 / 1.2)
+    assert skip["paired_vs_blind"]["ratio"] == pytest.approx(1.5 / 1.4)
+    assert rows["hilore-blind-skip"]["paired_vs_gc"]["ratio"] == pytest.approx(1.4 / 1.2)
+    assert rows["hilore-blind-skip"]["predicted_peak_bytes"] == 7  # the blind plan's
+    assert rows["hilore-buckets"]["paired_vs_gc"]["ratio"] == pytest.approx(1.25)  # still plain GC
 
 
 def test_loss_ratio_counts_the_eager_loss_backward_over_the_logits():
@@ -274,3 +290,25 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     assert rows["hilore-blind"]["peak_bytes"] is None  # its peak process failed; the rounds' 999 is no peak
     assert rows["gc"]["samples"] == [{"seconds": 1.0, "peak_bytes": 999, "round": 0}]  # kept for later pairings
     assert "hilore-blind: no peak: boom" in said
+
+
+def test_gc_skip_runs_gc_without_the_zero_exposure_samples_and_the_same_gradient(tmp_path):
+    """``gc-skip`` is GC in the update loop with the zero skip: it skips every
+    zero-advantage sample that ``gc`` runs, and (no KL term) the gradient is the same."""
+    from hilore_compiler.bench.actor import ActorBenchConfig
+    from hilore_compiler.bench.actor_worker import ActorWorker
+    from hilore_compiler.bench.worker import flat_grad
+
+    config = ActorBenchConfig(model="tiny", seq_len=32, prompt_len=8, groups=4, group_size=2, microbatch=2)
+    workers = {m: ActorWorker.in_process(config, m, {}, tmp_path) for m in ("gc", "gc-skip")}
+    zero = int((workers["gc"].batch.advantages == 0).sum())
+    assert 0 < zero < 8  # the seeded batch has zero-variance groups, and live ones
+    grads = {}
+    for method, worker in workers.items():
+        worker.model.zero_grad(set_to_none=True)
+        worker.step()
+        grads[method] = flat_grad(worker.model)
+    assert workers["gc"].info()["samples_skipped"] == 0
+    assert workers["gc-skip"].info()["samples_skipped"] == zero
+    assert workers["gc-skip"].info()["microbatches"] < workers["gc"].info()["microbatches"]
+    torch.testing.assert_close(grads["gc-skip"], grads["gc"], rtol=1e-5, atol=1e-7)

@@ -24,6 +24,12 @@ solved as if one bucket held the whole update), ``hilore-buckets`` (the joint
 per-bucket plan for this batch's exposure mix) and ``hilore-skip`` (the same
 plan, zero-exposure samples skip forward and backward). The plans are solved
 once, in the driver, from one trace of the policy at the microbatch shape.
+
+The zero skip is the update loop's, not the plan's: any method can take it
+(``grpo.actor_update`` does by default, and dropping zero-advantage groups is
+what DAPO's dynamic sampling does). So ``gc-skip`` and ``hilore-blind-skip``
+run GC and the blind plan with it, and a skipping method's speed is paired
+with theirs: what the plan adds is then told apart from what the skip adds.
 """
 
 from __future__ import annotations
@@ -45,19 +51,29 @@ from .process import WorkerError, WorkerProcess, worker_env
 from .runner import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
-ACTOR_METHODS = ("store-all", "gc", "uniform-int8", "hilore-blind", "hilore-buckets", "hilore-skip")
+ACTOR_METHODS = ("store-all", "gc", "gc-skip", "uniform-int8", "hilore-blind", "hilore-blind-skip",
+                 "hilore-buckets", "hilore-skip")
+#: Methods that skip zero-exposure samples (``UpdateConfig.skip_zero``), each
+#: with the method it runs otherwise.
+SKIPPING = {"gc-skip": "gc", "hilore-blind-skip": "hilore-blind", "hilore-skip": "hilore-buckets"}
 #: The plan (``solve_plans``'s ``paths``) each planned method runs.
-PLAN_OF = {"uniform-int8": "uniform", "hilore-blind": "blind", "hilore-buckets": "buckets",
-           "hilore-skip": "buckets"}
+PLAN_OF = {"uniform-int8": "uniform", "hilore-blind": "blind", "hilore-blind-skip": "blind",
+           "hilore-buckets": "buckets", "hilore-skip": "buckets"}
 #: Methods that need no plan, set up before the plans are solved.
-BASELINES = ("store-all", "gc")
+BASELINES = ("store-all", "gc", "gc-skip")
 #: Codecs whose error binds the default error budget: calibrated unit by unit.
 LOSSY_CODECS = ("int4",)
 #: Microbatches of the batch the trace is calibrated on, spread over it.
 CALIBRATION_MICROBATCHES = 4
-LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)", "uniform-int8": "uniform int8",
-          "hilore-blind": "HiLoRe, one plan (exposure-blind)", "hilore-buckets": "HiLoRe, buckets",
+LABELS = {"store-all": "store-all (exact)", "gc": "GC (per-layer checkpoint)", "gc-skip": "GC + zero skip",
+          "uniform-int8": "uniform int8", "hilore-blind": "HiLoRe, one plan (exposure-blind)",
+          "hilore-blind-skip": "HiLoRe, one plan + zero skip", "hilore-buckets": "HiLoRe, buckets",
           "hilore-skip": "HiLoRe, buckets + zero skip"}
+
+
+def base_method(method: str) -> str:
+    """What ``method`` compiles and runs, its zero skip aside: ``gc`` for ``gc-skip``."""
+    return SKIPPING.get(method, method)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,7 +25,7 @@ from ..evaluation.arms import FixedBatch
 from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
 from ..models import build_model
 from ..planfile import load_plan
-from .actor import PLAN_OF, ActorBenchConfig, loss_config, make_batch, worker_payload
+from .actor import PLAN_OF, SKIPPING, ActorBenchConfig, base_method, loss_config, make_batch, worker_payload
 from .measure import StepSample, allocator_peak, measure_step
 from .methods import wrap_layers
 from .worker import flat_grad, serve_requests
@@ -46,7 +46,7 @@ class ActorWorker:
         self.compiled, self.buckets, self.plan = self._prepare(payload["plans"])
         n = 1 if self.buckets is None else self.buckets.n_buckets
         self.update = UpdateConfig(microbatch_size=self.config.microbatch, n_buckets=n,
-                                   skip_zero=self.method == "hilore-skip", on_policy=False,
+                                   skip_zero=self.method in SKIPPING, on_policy=False,
                                    across_ranks=False)
         self.last = None
 
@@ -57,10 +57,10 @@ class ActorWorker:
 
     def _prepare(self, plans: dict[str, str]) -> tuple[torch.nn.Module, ExposureBuckets | None, Any]:
         """The compiled policy at the microbatch shape, the buckets it runs and its plan."""
-        micro = self.config.microbatch
-        if self.method == "store-all":
+        micro, method = self.config.microbatch, base_method(self.method)
+        if method == "store-all":
             return FixedBatch(torch.compile(self.model, dynamic=False), micro), None, None
-        if self.method == "gc":
+        if method == "gc":
             return FixedBatch(torch.compile(wrap_layers(self.model), dynamic=False), micro), None, None
         from ..backend import HiLoReBackend
 

@@ -59,8 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--actor-update", action="store_true",
                    help="run the whole bucketed GRPO actor update on a realistic batch (groups of 8, "
                         "binary rewards, zero-variance groups, second-iteration clipping): store-all, GC, "
-                        "uniform int8, HiLoRe exposure-blind, with buckets, and with the zero skip "
-                        "(bench/actor.py); "
+                        "uniform int8, HiLoRe exposure-blind, with buckets, and GC, blind and buckets "
+                        "with the zero skip (bench/actor.py); "
                         "--model, --seq-len, --repeats, --threads, --hilore-budget apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")

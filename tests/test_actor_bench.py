@@ -103,6 +103,7 @@ def test_actor_worker_reports_its_tensor_peak_as_the_gc_reference(tmp_path):
 
 
 def test_actor_update_table_and_cli():
+    from hilore_compiler.bench import actor
     from hilore_compiler.bench.actor_report import format_table
     from hilore_compiler.commands.bench import actor_config_from_args
 
@@ -110,6 +111,12 @@ def test_actor_update_table_and_cli():
                                       "--loss-type", "grpo", "--hilore-budget", "0.9x-gc"])
     config = actor_config_from_args(args)
     assert (config.model, config.seq_len, config.loss_type, config.budget) == ("tiny", 256, "grpo", "0.9x-gc")
+    assert config.methods == actor.ACTOR_METHODS  # every method unless --methods says otherwise
+    chosen = actor_config_from_args(build_parser().parse_args(["bench", "--actor-update",
+                                                               "--methods", "gc, gc-skip,hilore-skip"]))
+    assert chosen.methods == ("gc", "gc-skip", "hilore-skip")
+    with pytest.raises(ValueError, match=r"unknown or no methods \['hilore'\]; choose from store-all"):
+        actor_config_from_args(build_parser().parse_args(["bench", "--actor-update", "--methods", "gc,hilore"]))
     row = {"method": "hilore-skip", "label": "HiLoRe, buckets + zero skip", "status": "ok", "error": None,
            "tokens_per_s": {"median": 1234.0}, "peak_bytes": {"median": 5e6}, "speed_vs_gc": 1.2,
            "paired_vs_gc": {"ratio": 1.2, "low": 1.1, "high": 1.31, "rounds": 4},
@@ -290,6 +297,11 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     assert rows["hilore-blind"]["peak_bytes"] is None  # its peak process failed; the rounds' 999 is no peak
     assert rows["gc"]["samples"] == [{"seconds": 1.0, "peak_bytes": 999, "round": 0}]  # kept for later pairings
     assert "hilore-blind: no peak: boom" in said
+
+    # Baselines alone (GC with and without the skip): no trace, no plan to wait for.
+    monkeypatch.setattr(actor, "solve_plans", lambda *a, **k: pytest.fail("solved plans that no method runs"))
+    report = actor.run_actor_bench(actor.ActorBenchConfig(model="tiny", methods=("gc", "gc-skip")), said.append)
+    assert [r["method"] for r in report["rows"]] == ["gc", "gc-skip"]
 
 
 def test_gc_skip_runs_gc_without_the_zero_exposure_samples_and_the_same_gradient(tmp_path):

@@ -393,7 +393,9 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
         if runs.get("gc") is not None and runs["gc"].status == "ok":
             progress("gc: measuring its update's tensor peak (the x-gc reference) in a process of its own")
             gc_peak = tensor_peak(config, "gc", run_dir, env, progress)
-        plans = solve_plans(config, run_dir, progress, gc_peak_bytes=gc_peak)
+        # Tracing and calibrating take minutes: only for methods that run a plan.
+        plans = (solve_plans(config, run_dir, progress, gc_peak_bytes=gc_peak)
+                 if any(m in PLAN_OF for m in config.methods) else {"paths": {}, "info": {}, "mix": []})
         for method in (m for m in ACTOR_METHODS if m in config.methods and m not in BASELINES):
             runs[method] = start(config, method, plans["paths"], run_dir, env, progress)
         measure_rounds(list(runs.values()), config, progress, peaks=False)

@@ -14,6 +14,7 @@ RESULTS_DIR = Path("bench") / "results"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ..bench.actor import ACTOR_METHODS
     from ..bench.methods import METHODS
     from ..bench.runner import DTYPES, BenchConfig, QUICK
 
@@ -41,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"alternating rounds after every set-up, before the counted ones, not counted "
                         f"(default {d.settle_rounds})")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
-                                     f"(default {','.join(d.methods)})")
+                                     f"(default {','.join(d.methods)}); with --actor-update of "
+                                     f"{','.join(ACTOR_METHODS)} (default all)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"(default {d.device})")
     p.add_argument("--dtype", choices=DTYPES,
                    help=f"parameter dtype of the policy; log-probs and loss stay fp32 (default {d.dtype})")
@@ -61,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "binary rewards, zero-variance groups, second-iteration clipping): store-all, GC, "
                         "uniform int8, HiLoRe exposure-blind, with buckets, and GC, blind and buckets "
                         "with the zero skip (bench/actor.py); "
-                        "--model, --seq-len, --repeats, --threads, --hilore-budget apply")
+                        "--model, --seq-len, --repeats, --threads, --hilore-budget, --methods apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
     p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
@@ -109,6 +111,8 @@ def actor_config_from_args(args: argparse.Namespace):
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
     if getattr(args, "codecs", None):
         values["codecs"] = codec_list(args.codecs)
+    if getattr(args, "methods", None):
+        values["methods"] = comma_list(args.methods)
     return ActorBenchConfig(**values)
 
 

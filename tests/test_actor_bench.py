@@ -121,13 +121,14 @@ def test_actor_update_table_and_cli():
            "tokens_per_s": {"median": 1234.0}, "peak_bytes": {"median": 5e6}, "speed_vs_gc": 1.2,
            "paired_vs_gc": {"ratio": 1.2, "low": 1.1, "high": 1.31, "rounds": 4},
            "paired_vs_blind": {"ratio": 1.1, "low": None, "high": None, "rounds": 1},
+           "paired_vs_no_skip": {"ratio": 1.14, "low": 1.12, "high": 1.16, "rounds": 4},
            "peak_vs_gc": 1.05, "cosine": 0.9999994, "rel_l2": 1.1e-3, "predicted_rel_l2": 1.0e-3,
            "tensor_peak_bytes": 4.4e6, "predicted_peak_bytes": 4.5e6,
            "info": {"samples_skipped": 16, "microbatches": 9}}
     failed = {**row, "method": "gc", "label": "GC", "status": "failed", "error": "boom\nmore"}
     table = format_table({"rows": [row, failed]})
-    assert ("| HiLoRe, buckets + zero skip | 1234 | 1.200 [1.100, 1.310] | 1.100 | 5.0 | 1.050 | 4.4 / 4.5 | "
-            "0.999999 | 1.1e-03 / 1.0e-03 | 16 | 9 |") in table
+    assert ("| HiLoRe, buckets + zero skip | 1234 | 1.200 [1.100, 1.310] | 1.100 | 1.140 [1.120, 1.160] | 5.0 | "
+            "1.050 | 4.4 / 4.5 | 0.999999 | 1.1e-03 / 1.0e-03 | 16 | 9 |") in table
     assert "failed: boom" in table
 
 
@@ -174,6 +175,8 @@ def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
     rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
     assert rows["hilore-skip"]["paired_vs_gc"] is None and rows["hilore-skip"]["paired_vs_blind"] is None
     assert rows["hilore-skip"]["speed_vs_gc"] == pytest.approx(1.5)  # unpaired, against plain GC
+    assert rows["hilore-skip"]["paired_vs_no_skip"]["ratio"] == pytest.approx(1.5 / 1.25)  # the skip's worth
+    assert rows["hilore-buckets"]["paired_vs_no_skip"] is None
     runs |= {"gc-skip": run("gc-skip", 1.2), "hilore-blind-skip": run("hilore-blind-skip", 1.4)}
     rows = {r["method"]: r for r in summarise(ActorBenchConfig(model="tiny"), runs, plans)["rows"]}
     skip = rows["hilore-skip"]
@@ -181,6 +184,7 @@ def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
     assert skip["paired_vs_gc"]["ratio"] == pytest.approx(1.5 / 1.2)
     assert skip["paired_vs_blind"]["ratio"] == pytest.approx(1.5 / 1.4)
     assert rows["hilore-blind-skip"]["paired_vs_gc"]["ratio"] == pytest.approx(1.4 / 1.2)
+    assert rows["gc-skip"]["paired_vs_no_skip"]["ratio"] == pytest.approx(1.2)
     assert rows["hilore-blind-skip"]["predicted_peak_bytes"] == 7  # the blind plan's
     assert rows["hilore-buckets"]["paired_vs_gc"]["ratio"] == pytest.approx(1.25)  # still plain GC
 

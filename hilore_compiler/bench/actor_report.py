@@ -70,6 +70,8 @@ def _row(run: MethodRun, runs: dict[str, MethodRun], plans: dict[str, Any]) -> d
         "speed_vs_gc": None if rate is None or not gc_rate else rate.median / gc_rate,
         "paired_vs_gc": _paired(run, runs.get(paired_with["gc"])),
         "paired_vs_blind": _paired(run, runs.get(paired_with["blind"])), "paired_with": paired_with,
+        # What the skip alone is worth: the same method without it.
+        "paired_vs_no_skip": _paired(run, runs.get(SKIPPING[run.method])) if run.method in SKIPPING else None,
         "peak_vs_gc": None if peak is None or not gc_peak else peak.median / gc_peak,
         "cosine": None if run.fidelity is None else run.fidelity["cosine"],
         "rel_l2": None if run.fidelity is None else run.fidelity["rel_l2"],
@@ -107,14 +109,14 @@ def _interval(paired: dict[str, Any] | None) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """A markdown table of the rows, as the README shows it; the ratios of a skipping
     row are to GC and the blind plan with the zero skip (``references``)."""
-    head = ("| method | tokens/s (median) | x GC, same skip [95% CI] | x blind, same skip [95% CI] | peak MB "
-            "| x GC peak "
+    head = ("| method | tokens/s (median) | x GC, same skip [95% CI] | x blind, same skip [95% CI] "
+            "| x without skip [95% CI] | peak MB | x GC peak "
             "| tensor MB (measured / predicted) | grad cosine | rel. L2 (measured / predicted) | skipped "
             "| microbatches |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in report["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} |||||||||| ")
+            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} ||||||||||| ")
             continue
 
         def num(value: float | None, fmt: str) -> str:
@@ -127,6 +129,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['label']} | {num(r['tokens_per_s'] and r['tokens_per_s']['median'], '.0f')} | "
             f"{_interval(r.get('paired_vs_gc'))} | {_interval(r.get('paired_vs_blind'))} | "
+            f"{_interval(r.get('paired_vs_no_skip'))} | "
             f"{num(r['peak_bytes'] and r['peak_bytes']['median'] / 1e6, '.1f')} | "
             f"{num(r['peak_vs_gc'], '.3f')} | {megabytes(r.get('tensor_peak_bytes'))} / "
             f"{megabytes(r.get('predicted_peak_bytes'))} | {num(r['cosine'], '.6f')} | {num(r['rel_l2'], '.1e')} / "

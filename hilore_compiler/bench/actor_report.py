@@ -113,10 +113,11 @@ def format_table(report: dict[str, Any]) -> str:
             "| x without skip [95% CI] | peak MB | x GC peak "
             "| tensor MB (measured / predicted) | grad cosine | rel. L2 (measured / predicted) | skipped "
             "| microbatches |")
-    lines = [head, "|" + "---|" * 12]
+    columns = head.count("|") - 1
+    lines = [head, "|" + "---|" * columns]
     for r in report["rows"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} ||||||||||| ")
+            lines.append(f"| {r['label']} | failed: {str(r['error']).splitlines()[0][:60]} " + "|" * (columns - 1) + " ")
             continue
 
         def num(value: float | None, fmt: str) -> str:

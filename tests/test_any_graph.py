@@ -160,3 +160,74 @@ def test_encode_reads_its_value_instead_of_computing_it_again():
         assert ("int8_t" in forward) == (codec is not None)
         sines[codec] = forward.count("sin(")
     assert sines["int8"] == sines[None] > 0, sines
+
+
+@torch.library.custom_op("hilore_test::exp_with_seed", mutates_args=())
+def exp_with_seed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(x), and a 0-dim integer its backward reads, as CUDA's fused
+    attention returns a philox seed beside its output."""
+    return x.exp(), torch.tensor(3, dtype=torch.int64)
+
+
+@exp_with_seed.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("hilore_test::exp_with_seed_backward", mutates_args=())
+def exp_with_seed_backward(grad: torch.Tensor, y: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """One opaque op that reads the seed, as attention's backward kernel does:
+    the partitioner cannot fold the seed into a forward value instead."""
+    return grad * y * (seed > 0)
+
+
+@exp_with_seed_backward.register_fake
+def _(grad: torch.Tensor, y: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _exp_backward(ctx, grad: torch.Tensor, _seed_grad: torch.Tensor) -> torch.Tensor:
+    y, seed = ctx.saved_tensors
+    return exp_with_seed_backward(grad, y, seed)
+
+
+torch.library.register_autograd("hilore_test::exp_with_seed", _exp_backward,
+                                setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*output))
+
+
+class SeededExp(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = exp_with_seed(self.inp(x).tanh())
+        return self.out(y)
+
+
+def test_a_unit_with_an_integer_member_is_compressed_and_keeps_that_member_as_it_is():
+    """One op saves a float output and an integer scalar: the output is encoded,
+    the scalar kept (``UnitNodes.kept_as_is``). Before, any integer member left
+    the unit without codecs: on CUDA, every attention unit."""
+    from hilore_compiler.sizeexpr import eval_size
+    from hilore_compiler.solver import fixed_plan
+    from hilore_compiler.solver.fixed import uniform_codec
+
+    torch.manual_seed(0)
+    model, x = SeededExp(), torch.randn(2, 64, 32)
+    traced = trace(model, [x], config=TraceConfig(repeats=1, warmup=0, verbose=False, codecs=("int8",)))
+    (unit,) = [u for u in traced.units if "exp_with_seed" in u.key]
+    int8 = unit.codecs["int8"]
+    assert int8.usable and 0 < int8.rel_l2 < 0.02
+    # The payload: a quarter of the fp32 output plus row scales, plus the 8-byte seed.
+    payload = eval_size(int8.bytes, traced.batch, traced.seq_len)
+    assert unit.bytes_at_trace / 4 < payload < unit.bytes_at_trace / 2
+    plan = fixed_plan(traced, uniform_codec("int8"), buckets=1, codecs=["int8"])
+    backend = HiLoReBackend({"plan": plan, "strict": True, "verbose": False})
+    reference = _grads(model, model, x)
+    got = _grads(model, torch.compile(model, backend=backend, dynamic=False), x)
+    assert 0 < _rel(got, reference) < 0.02  # int8 changed the gradient, a little
+    (graph,) = backend.graphs
+    assert graph.records[0].counts["compress"] == len(traced.units)
+    assert graph.actual_saved_bytes("b0") == pytest.approx(graph.predicted_saved_bytes("b0"), rel=0.02)
+

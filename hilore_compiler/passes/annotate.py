@@ -54,6 +54,26 @@ class UnitNodes:
     #: from that unit's cut down to its own (``solver.memory.Segment``).
     read_until: str = READ_PAST_UNITS
 
+    @property
+    def encoded(self) -> tuple[fx.Node, ...]:
+        """The saved nodes a codec encodes when the unit is compressed: its
+        floating tensors of at least one dimension. Empty: no codec applies."""
+        return tuple(n for n in self.saved if encodable(n))
+
+    @property
+    def kept_as_is(self) -> tuple[fx.Node, ...]:
+        """Saved nodes that stay as they are even when the unit is compressed:
+        CUDA's fused attention saves an integer philox seed and offset beside
+        its output and log-sum-exp, a few bytes that no codec takes and that
+        should not keep the output from being compressed."""
+        return tuple(n for n in self.saved if not encodable(n))
+
+
+def encodable(node: fx.Node) -> bool:
+    """Whether a codec can encode this saved node's value (floating, not a scalar)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() > 0
+
 
 #: Dynamo's name of the root object a module path starts from: a local or
 #: global (``L['self']``, ``G['model']``), indexed when it came through

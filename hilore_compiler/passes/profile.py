@@ -123,15 +123,18 @@ def _recompute_cost(unit: UnitNodes, values: dict[str, Any], config: ProfileConf
 
 def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileConfig) -> CodecCost:
     codec = codec_registry.get_codec(name)
-    tensors = [values[n.name] for n in unit.saved]
+    tensors = [values[n.name] for n in unit.encoded]
     reason = _unusable_reason(codec, tensors)
     if reason:
         raw = total_nbytes(unit.saved, symbols)
         return CodecCost(bytes=format_size(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
+    # What the unit keeps when compressed: the payloads, and the members no
+    # codec takes (``UnitNodes.kept_as_is``) as they are. Time and error are the
+    # encoded members'.
     payload = sum(
-        (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.saved),
-        sympy.Integer(0),
+        (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.encoded),
+        total_nbytes(unit.kept_as_is, symbols),
     )
 
     def unusable(reason: str) -> CodecCost:
@@ -243,10 +246,9 @@ def profile_unit(unit: UnitNodes, values: dict[str, Any], symbols, config: Profi
     transient = largest((nbytes_expr(n, symbols) for n in unit.region if _materialized(n, unit)),
                         config.batch, config.seq_len)
     seconds, flops, source = _recompute_cost(unit, values, config) if run else (0.0, 0, "not measured")
-    float_saved = all(n.meta["val"].is_floating_point() for n in unit.saved)
     codecs = {
         name: _codec_cost(name, unit, values, symbols, config)
-        for name in config.codecs if float_saved
+        for name in config.codecs if unit.encoded
     }
     dtype = str(unit.saved[0].meta["val"].dtype).removeprefix("torch.")
     return RecoveryUnit(

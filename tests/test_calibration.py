@@ -140,3 +140,49 @@ def test_joint_runner_gives_the_compiled_plans_gradients(traced_tiny, monkeypatc
     for f, c in zip(fast, compiled):
         assert float((f - c).norm() / c.norm()) < 1e-5
     assert float((fast[1] - fast[0]).norm()) > 0  # the codec changed the gradient
+
+
+def _joint_ops(partition_fn_of, model, ids) -> list[str]:
+    """The ops of the joint graph the calibration's partitioner is handed."""
+    from hilore_compiler.passes.capture import default_partition
+
+    seen: list[str] = []
+
+    def record(joint, joint_inputs, **kwargs):
+        seen.extend(str(n.target) for n in joint.graph.nodes if n.op == "call_function")
+        fw, bw, _ = default_partition(joint, joint_inputs, **kwargs)
+        return fw, bw
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g), bw_compiler=lambda g, _: make_boxed_func(g),
+                           partition_fn=partition_fn_of(record), decompositions=select_decomp_table())
+    torch.compile(model, backend=backend, dynamic=False)(ids).sum().backward()
+    return seen
+
+
+def test_calibration_sees_inductors_joint_passes_on_a_torch_without_the_override_hook(traced_tiny, monkeypatch):
+    """torch 2.11's ``partition_fn`` has no ``partitioner_fn_override``; calibration
+    then goes through the configured custom partitioner, after the same joint passes,
+    so its units are the trace's. Without the passes the graph differs."""
+    import inspect
+
+    from torch._inductor import compile_fx
+
+    from hilore_compiler.passes.capture import inductor_partition
+
+    model, _ = traced_tiny
+    ids = _batch(3)
+    current = _joint_ops(inductor_partition, model, ids)
+    real = compile_fx.partition_fn
+    assert "partitioner_fn_override" in inspect.signature(real).parameters
+
+    def partition_fn(gm, joint_inputs, **kwargs):  # the 2.11 signature
+        return real(gm, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "partition_fn", partition_fn)
+    assert _joint_ops(inductor_partition, model, ids) == current
+    assert _joint_ops(lambda recorder: recorder, model, ids) != current  # the passes change the graph

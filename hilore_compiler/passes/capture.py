@@ -217,22 +217,50 @@ def inductor_partition(recorder: Callable) -> Callable:
     """``recorder`` behind Inductor's partition entry point (joint-graph passes
     first, as under compile_fx), when this torch has the override hook."""
     from torch._inductor import compile_fx as inductor_compile_fx
+    from torch._inductor import config as inductor_config
 
     partition_fn = getattr(inductor_compile_fx, "partition_fn", None)
-    if partition_fn is not None and "partitioner_fn_override" in inspect.signature(partition_fn).parameters:
-        from torch._guards import detect_fake_mode
-        from torch._inductor.virtualized import V
+    if partition_fn is None:
+        # No entry point to run the joint passes through: the joint graph then
+        # lacks them, which changes only which cheap ops min-cut may recompute.
+        return recorder
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
 
-        def with_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            # Inductor's joint passes (the RNG seed pass among them) read the
-            # fake mode from V, which compile_fx sets and we must set too.
-            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+    overridable = "partitioner_fn_override" in inspect.signature(partition_fn).parameters
+
+    def with_joint_passes(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        # Inductor's joint passes (the RNG seed pass among them) read the
+        # fake mode from V, which compile_fx sets and we must set too.
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            if overridable:
                 return partition_fn(joint, joint_inputs, partitioner_fn_override=recorder, **kwargs)
+            # torch < 2.13 has no override, but runs the joint passes and then
+            # the configured custom partitioner: the same graph reaches ``recorder``.
+            with inductor_config.patch(custom_partitioner_fn=_Forwarding(recorder)):
+                return partition_fn(joint, joint_inputs, **kwargs)
 
-        return with_joint_passes
-    # Older torch: no override hook; the joint graph then lacks Inductor's
-    # joint passes, which changes only which cheap ops min-cut may recompute.
-    return recorder
+    return with_joint_passes
+
+
+class _Forwarding(CustomPartitionerFn):
+    """``recorder`` as Inductor's configured custom partitioner (``inductor_partition``)."""
+
+    def __init__(self, recorder: Callable) -> None:
+        self.recorder = recorder
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        kwargs.pop("compiler", None)  # partition_fn names Inductor; the recorder's caller chose already
+        return self.recorder(joint, joint_inputs, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Forwarding:
+        return self  # holds a graph recorder, not configuration
+
+    def uuid(self) -> None:
+        return None  # never cache: the point is to run
+
+    def __reduce__(self) -> tuple:
+        return str, ("hilore-forwarding-partitioner",)
 
 
 def _meta_backend(captures: list[GraphCapture]) -> Callable:

@@ -117,6 +117,8 @@ def test_actor_update_table_and_cli():
     assert chosen.methods == ("gc", "gc-skip", "hilore-skip")
     with pytest.raises(ValueError, match=r"unknown or no methods \['hilore'\]; choose from store-all"):
         actor_config_from_args(build_parser().parse_args(["bench", "--actor-update", "--methods", "gc,hilore"]))
+    with pytest.raises(ValueError, match="--actor-update runs on the CPU only.*drop --device cuda"):
+        actor_config_from_args(build_parser().parse_args(["bench", "--actor-update", "--device", "cuda"]))
     row = {"method": "hilore-skip", "label": "HiLoRe, buckets + zero skip", "status": "ok", "error": None,
            "tokens_per_s": {"median": 1234.0}, "peak_bytes": {"median": 5e6}, "speed_vs_gc": 1.2,
            "paired_vs_gc": {"ratio": 1.2, "low": 1.1, "high": 1.31, "rounds": 4},

@@ -227,3 +227,16 @@ def test_every_rank_applies_rank_0_plan_and_codecs_keep_cosine(ranks):
 def test_block_budget_is_stated_per_block():
     assert block_budget("1.10x-gc", 4) == "1.10x-gc"  # relative budgets add up over blocks
     assert block_budget("4096", 4) == "1024"  # bytes are shared out evenly
+
+
+def test_nccl_only_when_every_rank_has_a_gpu_of_its_own(monkeypatch):
+    """One GPU and two ranks: ``set_device(1)`` would fail under nccl; gloo runs them."""
+    from hilore_compiler.distributed import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert launch.default_backend(1) == "nccl"
+    assert launch.default_backend(2) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.default_backend(1) == "gloo"

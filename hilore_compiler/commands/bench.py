@@ -108,6 +108,11 @@ def actor_config_from_args(args: argparse.Namespace):
              "hilore_budget": "budget", "loss_type": "loss_type", "risk_budget": "risk_budget",
              "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round",
              "settle_rounds": "settle_rounds"}
+    if getattr(args, "device", None) == "cuda":
+        # Its workers, peaks and loss-side measure are the CPU's; a CUDA run
+        # would be labelled as one while running on the CPU.
+        raise ValueError("--actor-update runs on the CPU only for now; drop --device cuda, or run the "
+                         "step bench on the GPU: hilore bench --device cuda --dtype bfloat16 --model tinyllama-8l")
     values = {field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None}
     if getattr(args, "codecs", None):
         values["codecs"] = codec_list(args.codecs)

@@ -38,9 +38,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def default_backend() -> str:
-    """``nccl`` when every rank can have a GPU of its own, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def default_backend(nproc: int) -> str:
+    """``nccl`` when every one of ``nproc`` ranks can have a GPU of its own, else ``gloo``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= nproc and dist.is_nccl_available() else "gloo"
 
 
 def _child(rank: int, world: int, port: int, backend: str, threads: int, env: Mapping[str, str],
@@ -74,7 +75,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str | None = 
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    backend = backend or default_backend()
+    backend = backend or default_backend(nproc)
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, nproc, port, backend, threads, dict(env or {}),
                                               fn, args, results), daemon=True) for r in range(nproc)]

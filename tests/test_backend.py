@@ -77,6 +77,16 @@ def grad_of(model, compiled, ids, bucket: str | None = None) -> torch.Tensor:
     return grads(model)
 
 
+def seeded_grads(model, compiled, ids, buckets, seed: int = 123) -> list[torch.Tensor]:
+    """The gradient under each bucket's variant, each run from the same RNG state
+    (dropout draws the same masks: a plan's recompute must replay them)."""
+    results = []
+    for bucket in buckets:
+        torch.manual_seed(seed)
+        results.append(grad_of(model, compiled, ids, bucket))
+    return results
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model = build_model("tiny")
@@ -176,11 +186,8 @@ def test_dropout_recompute_plan_equals_store_plan_with_same_seed():
     assert any(not u.recomputable for u in traced.units)  # the dropout masks
     plan = two_bucket_plan(traced, recompute_heavy(traced), store_all(traced))
     compiled = torch.compile(model, backend=HiLoReBackend({"plan": plan}))
-    results = []
-    for bucket in ("b0", "b1"):
-        torch.manual_seed(123)
-        results.append(grad_of(model, compiled, ids, bucket))
-    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-6)
+    recomputed, stored = seeded_grads(model, compiled, ids, ("b0", "b1"))
+    torch.testing.assert_close(recomputed, stored, rtol=1e-4, atol=1e-6)
 
 
 def test_plan_for_another_model_is_refused(tiny):

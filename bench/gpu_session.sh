@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One GPU session's whole job in one command: a device machine is lent for
+# about 15 minutes, machine start included, so everything it should prove
+# runs here in order of what the next step needs, each step under its own
+# time limit, and whatever finished is in $OUT even if a later step did not.
+#
+#   1. install: pulp from the wheel carried in .whl/ (the GPU machine has
+#      no package index), then this checkout, editable, so that
+#      backend="hilore" is registered;
+#   2. hilore bench --device cuda on TinyLlama-1.1B's shapes in bf16 (the
+#      configuration GPU.md's baseline figures were measured at);
+#   3. tests/test_cuda.py: the backend, every codec, recompute with dropout,
+#      a Hugging Face Llama and a bench worker, strict, on CUDA;
+#   4. the backend tests on that machine's torch, if time is left.
+#
+# Before the session, from the repository root on a machine with the index:
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl pulp==3.3.2
+#
+# then run it with the device tool: command `bash bench/gpu_session.sh`,
+# carry [".whl"], timeout 600. Results: $OUT/session.log (what ran, how
+# long), $OUT/env.txt, $OUT/{bench,test_cuda,backend_tests}.log, the bench's JSON
+# and PNG, and $OUT/worker-logs/ where a bench method failed.
+# GPU_SESSION_SECONDS (default 550) bounds the whole script; BENCH_ARGS
+# replaces the bench's arguments.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+DEADLINE=$((SECONDS + ${GPU_SESSION_SECONDS:-550}))
+
+log() { echo "[gpu_session +${SECONDS}s] $*" | tee -a "$OUT/session.log"; }
+left() { echo $((DEADLINE - SECONDS)); }
+# step NAME LIMIT_S CMD...: runs CMD with its output in $OUT/NAME.log, never past the deadline.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local budget
+    budget=$(left)
+    ((limit > budget)) && limit=$budget
+    if ((limit < 20)); then
+        log "$name: skipped, ${budget}s left"
+        return 1
+    fi
+    log "$name: start (limit ${limit}s): $*"
+    # A cache of its own: a step killed at its limit mid-compile can leave a
+    # truncated kernel that Inductor's cache would hand the next step.
+    TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/hilore-inductor-$name" \
+        timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    log "$name: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
+    tail -n 5 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$OUT/session.log"
+    return $rc
+}
+
+log "start; $(left)s to go"
+{
+    date -u
+    python3 --version
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+                 "available", torch.cuda.is_available(),
+                 torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1
+    python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
+    python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
+    git log -1 --format='commit %H %s' 2>&1
+} >"$OUT/env.txt"
+tee -a "$OUT/session.log" <"$OUT/env.txt"
+
+if ! ls .whl/*.whl >/dev/null 2>&1; then
+    log "no .whl/*.whl: download pulp's wheel first (see the top of this script) and carry .whl"
+    exit 2
+fi
+SITE=${TMPDIR:-/tmp}/hilore-site
+step install 120 bash -c "python3 -m pip install -q --no-index --no-deps --target '$SITE' .whl/*.whl && \
+    PYTHONPATH='$SITE' python3 -m pip install -q --no-index --no-deps --no-build-isolation -e ." || exit 3
+export PYTHONPATH=$SITE:$PWD
+# The suite's own options ask for pytest-xdist, which the GPU machine may lack.
+PYTEST=(python3 -m pytest -q -o "addopts=-ra --durations=10" -p no:cacheprovider)
+
+# The bench first: it is what the session is for. GPU.md's figures already
+# put selective AC (1.48x) and the PyTorch memory budget (1.16x at 0.25) over
+# 1.10x GC's peak, so by default the bench runs the methods that can fit,
+# each one compiling in a worker of its own (about 30 s each there, hilore
+# more: it traces, profiles and solves first).
+read -r -a bench_args <<<"${BENCH_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
+--methods store-all,gc,hilore,hilore-blind --repeats 5 --warmup 1 \
+-o $OUT/bench-tinyllama-8l-bf16-cuda.json}"
+step bench 330 python3 -m hilore_compiler bench "${bench_args[@]}"
+bench_rc=$?
+# A failed method's worker log stays in the run folder the bench names.
+mkdir -p "$OUT/worker-logs"
+cp "${TMPDIR:-/tmp}"/hilore-bench-*/*.log "$OUT/worker-logs/" 2>/dev/null
+
+step test_cuda 240 "${PYTEST[@]}" tests/test_cuda.py tests/test_measure.py
+tests_rc=$?
+
+step backend_tests 240 "${PYTEST[@]}" tests/test_backend.py tests/test_any_graph.py
+
+log "done: test_cuda exit $tests_rc, bench exit $bench_rc; $(left)s left"

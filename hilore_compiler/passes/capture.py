@@ -161,7 +161,23 @@ class CaptureDone(Exception):
     """Raised by ``RecordingPartitioner`` to stop a compile once the graph is captured."""
 
 
-class RecordingPartitioner(CustomPartitionerFn):
+class _UncachedPartitioner(CustomPartitionerFn):
+    """A partitioner that runs for what it sees, not for a graph: Inductor must
+    neither serve a cached compile in its place nor copy or pickle what it holds."""
+
+    def __deepcopy__(self, memo: dict) -> _UncachedPartitioner:
+        # Inductor deep-copies its config to key caches; this holds fake tensors or a recorder.
+        return self
+
+    def uuid(self) -> None:
+        return None  # never cache: the point is to run
+
+    def __reduce__(self) -> tuple:
+        # Inductor pickles its config into cache keys: not the real tensors held here.
+        return str, (f"hilore-{type(self).__name__}",)
+
+
+class RecordingPartitioner(_UncachedPartitioner):
     """Records the joint graph Inductor hands its partitioner, then stops the compile."""
 
     def __init__(self, captures: list[GraphCapture], real_args: Sequence[object] | None, record_values: bool):
@@ -171,17 +187,6 @@ class RecordingPartitioner(CustomPartitionerFn):
         self.captures.append(capture_joint(joint, joint_inputs, self.real_args, index=len(self.captures),
                                            record_values=self.record_values, **kwargs))
         raise CaptureDone
-
-    def __deepcopy__(self, memo: dict) -> RecordingPartitioner:
-        # Inductor deep-copies its config to key caches; this holds fake tensors.
-        return self
-
-    def uuid(self) -> None:
-        return None  # never cache: the point is to run
-
-    def __reduce__(self) -> tuple:
-        # Inductor pickles its config into cache keys: not the real tensors held here.
-        return str, ("hilore-recording-partitioner",)
 
 
 def lifted_args(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
@@ -243,7 +248,7 @@ def inductor_partition(recorder: Callable) -> Callable:
     return with_joint_passes
 
 
-class _Forwarding(CustomPartitionerFn):
+class _Forwarding(_UncachedPartitioner):
     """``recorder`` as Inductor's configured custom partitioner (``inductor_partition``)."""
 
     def __init__(self, recorder: Callable) -> None:
@@ -252,15 +257,6 @@ class _Forwarding(CustomPartitionerFn):
     def __call__(self, joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         kwargs.pop("compiler", None)  # partition_fn names Inductor; the recorder's caller chose already
         return self.recorder(joint, joint_inputs, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _Forwarding:
-        return self  # holds a graph recorder, not configuration
-
-    def uuid(self) -> None:
-        return None  # never cache: the point is to run
-
-    def __reduce__(self) -> tuple:
-        return str, ("hilore-forwarding-partitioner",)
 
 
 def _meta_backend(captures: list[GraphCapture]) -> Callable:

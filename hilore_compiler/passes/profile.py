@@ -157,8 +157,8 @@ def _unusable_reason(codec, tensors: list[torch.Tensor]) -> str | None:
     for t in tensors:
         if not codec.supports(t.dtype):
             return f"{codec.name} does not encode {t.dtype}"
-        if t.dim() == 0 or t.numel() == 0:
-            return "empty or scalar tensor: nothing to save"
+        if t.numel() == 0:  # scalars never get here: they are kept as they are (UnitNodes.encoded)
+            return "empty tensor: nothing to save"
     if not codec.available(tensors[0].device if tensors[0].device.type != "meta" else "cpu"):
         return f"{codec.name} is not available on this platform"
     return None

@@ -205,3 +205,19 @@ def test_graph_breaks_are_traced_and_reported():
     # but its weights are attributed to it.
     assert 1 not in {u.layer for u in result.units}
     assert result.param_bytes["layer 1"] == (8 * 8 + 8) * 4
+
+
+def test_trace_command_profiles_the_policy_in_the_dtype_asked(tmp_path, capsys):
+    """``hilore trace --dtype bfloat16`` measures a bf16 policy: its units are
+    bf16, which the bf16 codec cannot shrink, and the notes say how it was made."""
+    from hilore_compiler import cli
+
+    out = tmp_path / "t.json"
+    assert cli.main(["trace", "--model", "tiny", "--dtype", "bfloat16", "--batch", "2", "--seq-len", "32",
+                     "--codecs", "bf16,int8", "--repeats", "1", "-o", str(out)]) == 0
+    result = load_trace(out)
+    halves = [u for u in result.units if u.dtype == "bfloat16"]
+    assert len(halves) > len(result.units) / 2
+    assert not any(u.codecs["bf16"].usable for u in halves)
+    assert all(u.codecs["int8"].usable for u in halves)
+    assert any("--dtype bfloat16" in note for note in result.notes)

@@ -29,6 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cost-model", default="measured",
                    help="'measured' (run here) or " + ", ".join(f"'roofline:{d}'" for d in DEVICES)
                    + "; roofline traces build the model on the meta device (no weights in memory)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="parameter dtype of the policy (default: float32 measured, bfloat16 for roofline)")
     p.add_argument("--codecs", default="bf16,int8,fp8", help="codecs to measure (default bf16,int8,fp8)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median kept)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.output)  # before minutes of profiling, not after
     roofline = args.cost_model != "measured"
     device = "meta" if roofline else "cpu"
-    dtype = torch.bfloat16 if roofline else None
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if roofline else None)
     model = build_model(args.model, device=device, dtype=dtype, seed=args.seed)
     ids = example_batch(model, args.batch, args.seq_len, args.seed, device)
     notes = (f"hilore trace --model {args.model} --batch {args.batch} --seq-len {args.seq_len} "
-             f"--cost-model {args.cost_model}",)
+             f"--cost-model {args.cost_model}" + (f" --dtype {args.dtype}" if args.dtype else ""),)
     if roofline:
         notes += ("meta device: codec errors measured on synthetic N(0,1) rows of each unit's width",)
     config = TraceConfig(cost_model=args.cost_model, codecs=tuple(c for c in args.codecs.split(",") if c),

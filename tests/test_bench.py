@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -300,33 +301,76 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
     assert run.run_dir is None  # nothing failed: logs and gradients were cleaned up
 
 
-def test_a_timed_worker_with_another_plan_fails_its_method(tmp_path, monkeypatch):
+class FakeWorker:
+    """A ``WorkerProcess`` that answers at once with the next of ``DIGESTS``' plan digests."""
+
+    digests: Iterator[str] = iter(())
+    spawned: list[FakeWorker] = []
+
+    def __init__(self, config, env, log_path):
+        self.config, self.log, self.closed = config, log_path.name, False
+        self.peak_allocator = env.get("MALLOC_MMAP_THRESHOLD_") is not None
+        self.digest = next(self.digests)
+        self.spawned.append(self)
+
+    def request(self, cmd, **fields):
+        if cmd == "measure":
+            return {"samples": [{"seconds": 1.0, "peak_bytes": 7}] * fields["steps"]}
+        return {"compile_s": 1.0, "warmup": [], "info": {"mmap_threshold_set": self.peak_allocator,
+                                                         "plan": {"decisions_digest": self.digest}}}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_workers(monkeypatch):
+    from hilore_compiler.bench import runner
+
+    def use(*digests: str) -> list[FakeWorker]:
+        monkeypatch.setattr(FakeWorker, "digests", iter(digests))
+        monkeypatch.setattr(FakeWorker, "spawned", [])
+        monkeypatch.setattr(runner, "WorkerProcess", FakeWorker)
+        return FakeWorker.spawned
+    return use
+
+
+def test_a_timed_worker_with_another_plan_fails_its_method(tmp_path, fake_workers):
     """The peak is measured by one worker and the rounds timed by another: if
     they ran different plans (an unshared plan cache), the row would pair one
     plan's peak with another's speed, so the method fails instead."""
     from hilore_compiler.bench import runner
 
-    digests = iter(["aaaa", "cccc", "bbbb", "cccc"])  # two peak workers, then their timed workers
-
-    class Fake:
-        def __init__(self, config, env, log_path):
-            self.digest = next(digests)
-
-        def request(self, cmd, **fields):
-            if cmd == "measure":
-                return {"samples": [{"seconds": 1.0, "peak_bytes": 7}] * fields["steps"]}
-            return {"compile_s": 1.0, "warmup": [], "info": {"mmap_threshold_set": False,
-                                                             "plan": {"decisions_digest": self.digest}}}
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(runner, "WorkerProcess", Fake)
+    fake_workers("aaaa", "cccc", "bbbb", "cccc")  # two peak workers, then their timed workers
     said: list[str] = []
     launcher = runner.Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, said.append)
-    changed, same = launcher.start("hilore"), launcher.start("hilore-blind")
+    changed, same = launcher.start("store-all"), launcher.start("sac")
     assert changed.peaks == [7] * runner.PEAK_STEPS and changed.worker is None  # the peak worker exited
     launcher.time(changed)
     launcher.time(same)
     assert changed.status == "failed" and "another plan (decisions bbbb) than its peak worker (aaaa)" in changed.error
     assert same.status == "ok" and same.worker is not None
+
+
+def test_a_method_that_plans_does_so_in_its_timed_worker_and_its_peak_worker_compiles_from_the_caches(
+        tmp_path, fake_workers):
+    """The process that traces, profiles and solves reads a higher VmHWM peak
+    for the same plan (a fragmented heap), so a HiLoRe method's peak worker
+    comes second, and the first, the one the rounds time, writes the gradient."""
+    from hilore_compiler.bench import runner
+
+    spawned = fake_workers("aaaa", "aaaa", "bbbb", "cccc")
+    launcher = runner.Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, [].append)
+    run = launcher.start("hilore")
+    timed, peak = spawned
+    assert (timed.log, timed.peak_allocator, peak.log, peak.peak_allocator) == \
+        ("hilore-timed.log", False, "hilore.log", True)
+    assert timed.config.grad_path == run.grad_path and peak.config.grad_path is None
+    assert run.status == "ok" and run.peaks == [7] * runner.PEAK_STEPS and peak.closed
+    assert run.worker is timed and not timed.closed and run.info["timed_worker"]["mmap_threshold_set"] is False
+    launcher.time(run)
+    assert len(spawned) == 2  # the timed worker is set up already
+
+    other = launcher.start("hilore-blind")  # its two workers made different plans
+    assert other.status == "failed" and "another plan (decisions bbbb) than its peak worker (cccc)" in other.error
+    assert other.worker is None and all(w.closed for w in spawned[2:])

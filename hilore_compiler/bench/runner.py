@@ -31,7 +31,7 @@ import torch
 
 from ..codecs import codec_names
 from .measure import StepSample, gradient_fidelity
-from .methods import DEFAULT_METHODS, METHODS, MethodOptions
+from .methods import DEFAULT_METHODS, HILORE_BACKENDS, METHODS, STEP_METHODS, MethodOptions
 from .process import WorkerError, WorkerProcess, worker_env
 from .search import BudgetSearch, search_budget
 from .worker import WorkerConfig
@@ -159,13 +159,16 @@ class MethodRun:
     peaks: list[int] = field(default_factory=list)
     #: The configuration ``Launcher.start`` ran, which ``Launcher.time`` reuses.
     worker_config: Any = None
+    #: The timed worker while the peak worker runs (``Launcher.plans_first``).
+    timed_worker: WorkerProcess | None = None
 
     def fail(self, error: Exception, progress: Progress) -> None:
         self.status, self.error = "failed", str(error)
         progress(f"{self.method}: FAILED: {str(error).splitlines()[0]}")
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+        for worker in (self.worker, self.timed_worker):
+            if worker is not None:
+                worker.close()
+        self.worker = self.timed_worker = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,8 +200,10 @@ class Launcher:
     (measure.py) and which slows every step by page faults (store-all's most:
     25% on the actor bench's microbatch, bench/overhead.py), so it measures
     ``PEAK_STEPS`` peaks and exits. ``time``'s runs the rounds on the default
-    allocator, as a trainer does, compiling from the shared caches. On CUDA
-    one worker does both: ``max_memory_allocated`` needs no allocator setting.
+    allocator, as a trainer does, compiling from the shared caches. A method
+    that plans sets up its timed worker first instead, so that its peak worker
+    too compiles from the caches (``plans_first``). On CUDA one worker does
+    both: ``max_memory_allocated`` needs no allocator setting.
     """
 
     def __init__(self, config: BenchConfig, device: str, run_dir: Path, progress: Progress) -> None:
@@ -218,7 +223,8 @@ class Launcher:
     def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
         """Spawn ``method``'s worker, compile, warm it up and measure its peak (``run.peaks``);
         a failure is recorded, not raised. On CPU the worker exits after its peaks:
-        ``time`` starts the one the rounds use."""
+        ``time`` starts the one the rounds use, except for a method that plans
+        (``plans_first``), whose timed worker is set up here, before its peak worker."""
         name = method + tag
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=self.config.hilore_budget, hilore_codecs=self.config.hilore_codecs,
@@ -232,15 +238,21 @@ class Launcher:
         run = MethodRun(method=method, name=name, grad_path=grad_path, worker_config=config)
         self.progress(f"{name}: compiling and warming up")
         try:
+            if self.plans_first(method):
+                self._start_timed(run, config)
+                config = dataclasses.replace(config, grad_path=None, options=_as_chosen(options, run.info))
             run.worker = WorkerProcess(config, env=self.peak_env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
-            run.compile_s, run.info = reply["compile_s"], reply["info"]
             run.warmup = [StepSample(**s) for s in reply["warmup"]]
+            if run.compile_s is None:  # the first worker of the method compiled; its figures stand
+                run.compile_s, run.info = reply["compile_s"], reply["info"]
+            else:
+                _check_same_plan(name, timed=run.info, measured=reply["info"], cache=self.hilore_cache)
             if self.peaks_apart:
                 samples = run.worker.request("measure", steps=PEAK_STEPS)["samples"]
                 run.peaks = [int(s["peak_bytes"]) for s in samples]
                 run.worker.close()
-                run.worker = None
+                run.worker, run.timed_worker = run.timed_worker, None
         except WorkerError as e:
             run.fail(e, self.progress)
             return run
@@ -249,33 +261,70 @@ class Launcher:
                       f"{describe(run.warmup, peak=not self.peaks_apart)}{peak}")
         return run
 
+    def plans_first(self, method: str) -> bool:
+        """Whether ``method``'s timed worker is set up before its peak worker (CPU, HiLoRe backends).
+
+        The first process of a method that plans traces, profiles and solves,
+        and that leaves its heap fragmented: the step's small allocations then
+        land on pages trimmed away and fault them back in, so its VmHWM peak
+        read over the same plan's in a process that did not plan (bf16 small,
+        B=2, T=2048: 197.0 MB against hilore-blind's 176.4 with the same
+        decisions, allocator peaks equal). Planning in the timed worker also
+        profiles the costs on the allocator the rounds run on. Not where
+        ``hilore-step`` chooses its chunk size: the choice measures each
+        candidate's peak, which needs the peak worker's allocator setting.
+        """
+        choosing_chunks = method in STEP_METHODS and bool(self.config.step_chunks)
+        return self.peaks_apart and method in HILORE_BACKENDS and not choosing_chunks
+
+    def _start_timed(self, run: MethodRun, config: WorkerConfig) -> None:
+        """Set up ``run``'s timed worker (default allocator) first; it compiles, plans and
+        writes the gradient, and stays alive for the rounds (``run.timed_worker``)."""
+        name = run.name or run.method
+        run.timed_worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}-timed.log")
+        reply = run.timed_worker.request("setup")
+        run.compile_s, run.info = reply["compile_s"], reply["info"]
+        run.info["timed_worker"] = _timed_info(reply)
+
     def time(self, run: MethodRun) -> None:
         """Start the worker ``run``'s rounds are timed in (CPU: on the default allocator,
         compiled from the caches ``start``'s worker filled); a failure is recorded."""
         if run.status != "ok" or run.worker is not None:
-            return  # failed, or (CUDA) the worker that set up times the rounds too
-        options = run.worker_config.options
-        if "chunk_choice" in run.info:  # time the chunk size the peak worker chose, not a new choice
-            options = dataclasses.replace(options, step_chunks=(),
-                                          chunk_tokens=run.info["chunk_choice"]["chunk_tokens"])
-        config = dataclasses.replace(run.worker_config, options=options, grad_path=None)
+            return  # failed, or set up already: CUDA's one worker, or a method that plans first
+        config = dataclasses.replace(run.worker_config, grad_path=None,
+                                     options=_as_chosen(run.worker_config.options, run.info))
         name = run.name or run.method
         self.progress(f"{name}: starting the worker the rounds time (default allocator)")
         try:
             run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}-timed.log")
             reply = run.worker.request("setup")
+            _check_same_plan(name, timed=reply["info"], measured=run.info, cache=self.hilore_cache)
         except WorkerError as e:
             run.fail(e, self.progress)
             return
-        timed, measured = (info.get("plan", {}).get("decisions_digest") for info in (reply["info"], run.info))
-        if timed != measured:  # the peak measured would be another plan's
-            run.fail(WorkerError(f"{name}'s timed worker made another plan (decisions {timed}) than its peak "
-                                 f"worker ({measured}): was the plan cache {self.hilore_cache} not shared?"),
-                     self.progress)
-            return
-        run.info["timed_worker"] = {"compile_s": reply["compile_s"],
-                                    "mmap_threshold_set": reply["info"]["mmap_threshold_set"],
-                                    "warmup_s": [s["seconds"] for s in reply["warmup"]]}
+        run.info["timed_worker"] = _timed_info(reply)
+
+
+def _timed_info(reply: dict[str, Any]) -> dict[str, Any]:
+    """What the report keeps of a timed worker's set-up."""
+    return {"compile_s": reply["compile_s"], "mmap_threshold_set": reply["info"]["mmap_threshold_set"],
+            "warmup_s": [s["seconds"] for s in reply["warmup"]]}
+
+
+def _as_chosen(options: MethodOptions, info: dict[str, Any]) -> MethodOptions:
+    """``options`` for a method's second worker: the chunk size its first worker chose, not a new choice."""
+    if "chunk_choice" not in info:
+        return options
+    return dataclasses.replace(options, step_chunks=(), chunk_tokens=info["chunk_choice"]["chunk_tokens"])
+
+
+def _check_same_plan(name: str, *, timed: dict[str, Any], measured: dict[str, Any], cache: str) -> None:
+    """Raise ``WorkerError`` unless a method's two workers run the same plan: else the
+    peak measured would be another plan's than the one timed."""
+    timed_digest, measured_digest = (info.get("plan", {}).get("decisions_digest") for info in (timed, measured))
+    if timed_digest != measured_digest:
+        raise WorkerError(f"{name}'s timed worker made another plan (decisions {timed_digest}) than its peak "
+                          f"worker ({measured_digest}): was the plan cache {cache} not shared?")
 
 
 def describe(samples: list[StepSample], *, peak: bool = True) -> str:
@@ -424,9 +473,10 @@ def predict_baselines(runs: dict[str, MethodRun]) -> None:
 def close_workers(runs: Iterable[MethodRun]) -> None:
     """Close every worker still running (after the rounds, or when they fail)."""
     for run in runs:
-        if run.worker is not None:
-            run.worker.close()
-            run.worker = None
+        for worker in (run.worker, run.timed_worker):
+            if worker is not None:
+                worker.close()
+        run.worker = run.timed_worker = None
 
 
 def compare_grads(runs: dict[str, MethodRun]) -> None:

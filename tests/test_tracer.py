@@ -220,4 +220,11 @@ def test_trace_command_profiles_the_policy_in_the_dtype_asked(tmp_path, capsys):
     assert len(halves) > len(result.units) / 2
     assert not any(u.codecs["bf16"].usable for u in halves)
     assert all(u.codecs["int8"].usable for u in halves)
+    # Its kinds (a norm's bf16 output, attention's cast) are not the fp32 graph's:
+    # the proxy sensitivity has a measured gain for each, not the fallback.
+    from hilore_compiler.solver.risk import PROXY_GAIN
+    assert {u.kind for u in halves} <= set(PROXY_GAIN)
     assert any("--dtype bfloat16" in note for note in result.notes)
+    # Calibrating it on an fp32 policy would look for units its graph does not have.
+    assert cli.main(["calibrate", "--model", "tiny", "--trace", str(out), "-o", str(tmp_path / "c.json")]) != 0
+    assert "traced from a bfloat16 policy and --dtype is float32" in capsys.readouterr().err

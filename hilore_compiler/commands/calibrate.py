@@ -15,6 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "exact one; the solver then bounds measured gradient error instead of a proxy.",
     )
     p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameter dtype of the policy; the trace's (hilore trace --dtype) (default float32)")
     p.add_argument("--trace", default=None, help="trace to calibrate (default: trace the model first)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2; the trace's if given)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -31,6 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..passes.calibration import CalibrationConfig, calibrate
     from ..models import build_model
     from ..jsonio import check_output_path, save_or_fallback
@@ -42,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
     if args.microbatches < 1:
         raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
     check_output_path(args.output, inputs=[args.trace] if args.trace else [])
-    model = build_model(args.model, seed=args.seed)
+    model = build_model(args.model, seed=args.seed, dtype=getattr(torch, args.dtype))
     source = load_trace(args.trace) if args.trace else None
+    traced = source and _policy_dtype(source)
+    if traced and traced != args.dtype:
+        raise ValueError(f"{args.trace} was traced from a {traced} policy and --dtype is {args.dtype}: its "
+                         f"units are not this policy's graph; pass --dtype {traced}")
     batch, seq_len = (source.batch, source.seq_len) if source else (args.batch, args.seq_len)
     ids = example_batch(model, batch, seq_len, args.seed, "cpu")
     loss = grpo_trace_loss(ids, args.seed)
@@ -61,3 +69,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: sensitivities for {sum(bool(u.sensitivity) for u in calibrated.units)} "
           f"of {len(calibrated.units)} units", file=sys.stderr)
     return 0
+
+
+def _policy_dtype(trace) -> str | None:
+    """The parameter dtype a trace's policy had: that of most of its units (norm statistics
+    stay fp32 in a bf16 policy); None if it has no floating units."""
+    from collections import Counter
+
+    counts = Counter(u.dtype for u in trace.units if u.dtype in ("float32", "bfloat16"))
+    return counts.most_common(1)[0][0] if counts else None

@@ -27,7 +27,7 @@ from hilore_compiler.solver.cbc import SolverOptions
 from hilore_compiler.solver.memory import rule_violations
 from hilore_compiler.solver.risk import plan_risk
 from hilore_compiler.solver.planner import MEASURED_CEILING_HEADROOM, verify, verify_risk
-from hilore_compiler.solver.ilp import BucketWeight
+from hilore_compiler.solver.ilp import BucketWeight, expected_time_s
 from hilore_compiler.solver.risk import PROXY_FACTOR, bucket_specs, cosine_to_error2, parse_risk_budget
 from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
 from hilore_compiler.tracefile import Trace
@@ -369,6 +369,33 @@ def test_known_plans_are_the_answer_when_cbc_finds_none_in_time(monkeypatch):
     with pytest.raises(NoPlanInTime):  # nothing known: the error stands
         solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
                                risk_budget=RISK, options=QUICK)
+
+
+def test_buckets_stopped_early_never_lose_to_the_exposure_blind_plan(monkeypatch):
+    """CBC may stop on the joint problem with plans slower over the mix than
+    one plan in every bucket, which satisfies the same constraints."""
+    from hilore_compiler.solver import solving
+    from hilore_compiler.solver.solving import IlpResult
+
+    trace = random_trace(3, num_units=6)
+    model = _model(trace)
+    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
+    recompute_all = {w.name: {u.key: RECOMPUTE for u in model.units} for w in weights}
+    real_run = solving._run
+
+    def stopped_early(problem, options, scale, start=None):
+        if len(problem.weights) == 1:
+            return real_run(problem, options, scale, start)
+        return IlpResult(decisions=recompute_all, status="feasible", seconds=1.0,
+                         objective=expected_time_s(model, weights, recompute_all), bound=0.0)
+
+    monkeypatch.setattr(solving, "_solve_apart", lambda *a, **k: None)  # the joint problem, as where risk binds
+    monkeypatch.setattr(solving, "_run", stopped_early)
+    result = solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
+                                    risk_budget=RISK, options=QUICK)
+    assert result.decisions["b0"] == result.decisions["b1"] != recompute_all["b0"]
+    assert result.objective < expected_time_s(model, weights, recompute_all)
+    assert result.objective == pytest.approx(expected_time_s(model, weights, result.decisions))
 
 
 def test_a_plan_file_is_not_a_trace(tmp_path):

@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -35,6 +34,9 @@ from hilore_compiler.bench.measure import allocator_peak
 from hilore_compiler.bench.methods import MethodOptions
 from hilore_compiler.bench.paired import geometric_interval
 from hilore_compiler.bench.worker import Worker, WorkerConfig
+from hilore_compiler.models import DTYPES
+
+from bucket_decisions import describe  # bench/bucket_decisions.py: a script's own directory is on sys.path
 
 METHODS = ("gc", "store-all", "hilore-blind", "hilore")
 REFERENCE = "hilore-blind"
@@ -66,19 +68,13 @@ class Run:
         return self.worker.measure(1)[0].seconds
 
 
-def counts(bucket) -> str:
-    """``15 store, 24 recompute, 16 compress``: a bucket's decisions, counted."""
-    tally = Counter(option.split(":")[0] for _, option in bucket.decisions)
-    return ", ".join(f"{n} {option}" for option, n in sorted(tally.items()))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--pairs", type=int, default=24, help="rounds; each times one step of every method")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--codecs", default="bf16,int8", help="codecs HiLoRe's plans may use")
     parser.add_argument("--buckets", action="store_true", help="time HiLoRe under each bucket's plan too")
     args = parser.parse_args()
@@ -101,9 +97,9 @@ def main() -> None:
                 if not bucket.skip:
                     runs[f"hilore@{bucket.bucket.name}"] = Run(hilore, bucket.bucket.name)
                     print(f"hilore@{bucket.bucket.name}: {bucket.sample_share or 0:.0%} of the mix's samples, "
-                          f"predicted recovery {bucket.time_s * 1e3:.1f} ms, {counts(bucket)}", flush=True)
+                          f"predicted recovery {bucket.time_s * 1e3:.1f} ms, {describe(bucket)}", flush=True)
             blind = [b for b in workers["hilore-blind"].prepared.backend.graphs[0].plan.buckets if not b.skip][0]
-            print(f"hilore-blind: predicted recovery {blind.time_s * 1e3:.1f} ms, {counts(blind)}", flush=True)
+            print(f"hilore-blind: predicted recovery {blind.time_s * 1e3:.1f} ms, {describe(blind)}", flush=True)
         names = list(runs)
         peaks = {m: r.peak() for m, r in runs.items()}
         times: dict[str, list[float]] = {m: [] for m in names}

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..codecs import codec_names
+from ..models import DTYPES
 from .measure import StepSample, gradient_fidelity
 from .methods import DEFAULT_METHODS, HILORE_BACKENDS, METHODS, STEP_METHODS, MethodOptions
 from .process import WorkerError, WorkerProcess, worker_env
@@ -38,8 +39,6 @@ from .worker import WorkerConfig
 
 Progress = Callable[[str], None]
 
-#: Parameter dtypes ``--dtype`` accepts (names of ``torch`` dtypes).
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,17 +236,18 @@ class Launcher:
                               threads=self.config.threads, dtype=self.config.dtype)
         run = MethodRun(method=method, name=name, grad_path=grad_path, worker_config=config)
         self.progress(f"{name}: compiling and warming up")
+        planned_first = self.plans_first(method)
         try:
-            if self.plans_first(method):
+            if planned_first:
                 self._start_timed(run, config)
                 config = dataclasses.replace(config, grad_path=None, options=_as_chosen(options, run.info))
             run.worker = WorkerProcess(config, env=self.peak_env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
             run.warmup = [StepSample(**s) for s in reply["warmup"]]
-            if run.compile_s is None:  # the first worker of the method compiled; its figures stand
-                run.compile_s, run.info = reply["compile_s"], reply["info"]
-            else:
+            if planned_first:  # the timed worker compiled and planned; its figures stand
                 _check_same_plan(name, timed=run.info, measured=reply["info"], cache=self.hilore_cache)
+            else:
+                run.compile_s, run.info = reply["compile_s"], reply["info"]
             if self.peaks_apart:
                 samples = run.worker.request("measure", steps=PEAK_STEPS)["samples"]
                 run.peaks = [int(s["peak_bytes"]) for s in samples]

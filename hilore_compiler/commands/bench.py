@@ -16,7 +16,8 @@ RESULTS_DIR = Path("bench") / "results"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench.actor import ACTOR_METHODS
     from ..bench.methods import METHODS
-    from ..bench.runner import DTYPES, BenchConfig, QUICK
+    from ..bench.runner import BenchConfig, QUICK
+    from ..models import DTYPES
 
     d = BenchConfig()
     p = subparsers.add_parser(

@@ -7,7 +7,7 @@ import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..models import model_names
+    from ..models import DTYPES, model_names
 
     p = subparsers.add_parser(
         "calibrate", help="measure gradient sensitivity per (unit kind or unit, codec) into a trace",
@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "exact one; the solver then bounds measured gradient error instead of a proxy.",
     )
     p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="parameter dtype of the policy; the trace's (hilore trace --dtype) (default float32)")
     p.add_argument("--trace", default=None, help="trace to calibrate (default: trace the model first)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2; the trace's if given)")
@@ -76,5 +76,7 @@ def _policy_dtype(trace) -> str | None:
     stay fp32 in a bf16 policy); None if it has no floating units."""
     from collections import Counter
 
-    counts = Counter(u.dtype for u in trace.units if u.dtype in ("float32", "bfloat16"))
+    from ..models import DTYPES
+
+    counts = Counter(u.dtype for u in trace.units if u.dtype in DTYPES)
     return counts.most_common(1)[0][0] if counts else None

@@ -13,7 +13,7 @@ from ..passes.costmodel import DEVICES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..models import model_names
+    from ..models import DTYPES, model_names
 
     p = subparsers.add_parser(
         "trace", help="profile a built-in model into a trace JSON (recovery units and their costs)",
@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cost-model", default="measured",
                    help="'measured' (run here) or " + ", ".join(f"'roofline:{d}'" for d in DEVICES)
                    + "; roofline traces build the model on the meta device (no weights in memory)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="parameter dtype of the policy (default: float32 measured, bfloat16 for roofline)")
     p.add_argument("--codecs", default="bf16,int8,fp8", help="codecs to measure (default bf16,int8,fp8)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median kept)")

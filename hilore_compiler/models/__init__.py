@@ -24,6 +24,10 @@ from hilore_compiler.models.gpt import GPTConfig, GPTModel
 from hilore_compiler.models.llama import LlamaConfig, LlamaModel
 from hilore_compiler.models.logprobs import chunked_token_logprobs, response_logprobs, token_logprobs
 
+#: Parameter dtypes a built-in policy is built in (names of ``torch`` dtypes),
+#: for ``--dtype`` options.
+DTYPES = ("float32", "bfloat16")
+
 __all__ = [
     "GPTConfig",
     "GPTModel",
@@ -31,6 +35,7 @@ __all__ = [
     "LlamaModel",
     "MODEL_CONFIGS",
     "ModelConfig",
+    "DTYPES",
     "build_model",
     "chunked_token_logprobs",
     "model_names",

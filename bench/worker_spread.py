@@ -20,7 +20,7 @@ from pathlib import Path
 from hilore_compiler.bench.actor import (ACTOR_METHODS, BASELINES, ActorBenchConfig, solve_plans, start, tensor_peak,
                                          timing_env)
 from hilore_compiler.bench.paired import paired_ratio
-from hilore_compiler.bench.runner import close_workers, measure_rounds
+from hilore_compiler.bench.rounds import close_workers, measure_rounds
 
 
 def main() -> None:

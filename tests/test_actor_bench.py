@@ -150,7 +150,7 @@ def test_speed_ratios_are_paired_by_round_against_gc_and_the_blind_plan():
     from hilore_compiler.bench.actor import ActorBenchConfig
     from hilore_compiler.bench.actor_report import summarise
     from hilore_compiler.bench.measure import StepSample
-    from hilore_compiler.bench.runner import MethodRun
+    from hilore_compiler.bench.rounds import MethodRun
 
     slow = [1.0, 2.0, 3.0]  # seconds of GC's update per round
 
@@ -255,7 +255,7 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     process of its own with it, and the report reads those peaks."""
     from hilore_compiler.bench import actor
     from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, StepSample
-    from hilore_compiler.bench.runner import MethodRun
+    from hilore_compiler.bench.rounds import MethodRun
 
     envs: dict[str, list] = {"timed": [], "peak": []}
 

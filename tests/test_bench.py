@@ -24,7 +24,9 @@ from hilore_compiler.bench.methods import (
 )
 from hilore_compiler.bench.paired import geometric_interval, paired_ratio, t_quantile_975
 from hilore_compiler.bench.report import Spread, summarise, to_json
-from hilore_compiler.bench.runner import PEAK_STEPS, BenchConfig, BenchRun, MethodRun, resolve_device, run_bench
+from hilore_compiler.bench.launcher import PEAK_STEPS
+from hilore_compiler.bench.rounds import MethodRun
+from hilore_compiler.bench.runner import BenchConfig, BenchRun, resolve_device, run_bench
 from hilore_compiler.bench.search import Probe, choose, grid, search_budget
 from hilore_compiler.bench.worker import Worker, WorkerConfig, actor_step, flat_grad, make_data
 from hilore_compiler.cli import build_parser
@@ -101,6 +103,7 @@ def test_choose_bucket_refuses_a_backend_that_fell_back():
     with pytest.raises(RuntimeError, match="fell back to Inductor's partition"):
         choose_bucket(fell_back, torch.ones(2))
     assert choose_bucket(types.SimpleNamespace(graphs=[]), torch.ones(2)) is None
+
 
 
 def test_bf16_worker_config_round_trips_and_steps_with_fp32_logprobs():
@@ -199,7 +202,7 @@ def test_paired_ratio_pairs_round_medians():
 
 
 def test_settling_rounds_run_alternating_and_stay_out_of_the_ratios():
-    from hilore_compiler.bench.runner import measure_rounds
+    from hilore_compiler.bench.rounds import measure_rounds
 
     class Worker:
         """Each method's first two steps after set-up are slow, as after a long wait."""
@@ -325,12 +328,12 @@ class FakeWorker:
 
 @pytest.fixture
 def fake_workers(monkeypatch):
-    from hilore_compiler.bench import runner
+    from hilore_compiler.bench import launcher
 
     def use(*digests: str) -> list[FakeWorker]:
         monkeypatch.setattr(FakeWorker, "digests", iter(digests))
         monkeypatch.setattr(FakeWorker, "spawned", [])
-        monkeypatch.setattr(runner, "WorkerProcess", FakeWorker)
+        monkeypatch.setattr(launcher, "WorkerProcess", FakeWorker)
         return FakeWorker.spawned
     return use
 
@@ -339,13 +342,13 @@ def test_a_timed_worker_with_another_plan_fails_its_method(tmp_path, fake_worker
     """The peak is measured by one worker and the rounds timed by another: if
     they ran different plans (an unshared plan cache), the row would pair one
     plan's peak with another's speed, so the method fails instead."""
-    from hilore_compiler.bench import runner
+    from hilore_compiler.bench.launcher import Launcher
 
     fake_workers("aaaa", "cccc", "bbbb", "cccc")  # two peak workers, then their timed workers
     said: list[str] = []
-    launcher = runner.Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, said.append)
+    launcher = Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, said.append)
     changed, same = launcher.start("store-all"), launcher.start("sac")
-    assert changed.peaks == [7] * runner.PEAK_STEPS and changed.worker is None  # the peak worker exited
+    assert changed.peaks == [7] * PEAK_STEPS and changed.worker is None  # the peak worker exited
     launcher.time(changed)
     launcher.time(same)
     assert changed.status == "failed" and "another plan (decisions bbbb) than its peak worker (aaaa)" in changed.error
@@ -357,16 +360,16 @@ def test_a_method_that_plans_does_so_in_its_timed_worker_and_its_peak_worker_com
     """The process that traces, profiles and solves reads a higher VmHWM peak
     for the same plan (a fragmented heap), so a HiLoRe method's peak worker
     comes second, and the first, the one the rounds time, writes the gradient."""
-    from hilore_compiler.bench import runner
+    from hilore_compiler.bench.launcher import Launcher
 
     spawned = fake_workers("aaaa", "aaaa", "bbbb", "cccc")
-    launcher = runner.Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, [].append)
+    launcher = Launcher(BenchConfig(model="tiny"), "cpu", tmp_path, [].append)
     run = launcher.start("hilore")
     timed, peak = spawned
     assert (timed.log, timed.peak_allocator, peak.log, peak.peak_allocator) == \
         ("hilore-timed.log", False, "hilore.log", True)
     assert timed.config.grad_path == run.grad_path and peak.config.grad_path is None
-    assert run.status == "ok" and run.peaks == [7] * runner.PEAK_STEPS and peak.closed
+    assert run.status == "ok" and run.peaks == [7] * PEAK_STEPS and peak.closed
     assert run.worker is timed and not timed.closed and run.info["timed_worker"]["mmap_threshold_set"] is False
     launcher.time(run)
     assert len(spawned) == 2  # the timed worker is set up already

@@ -1,5 +1,5 @@
 """hilore bench's report: ratios to GC, paired rounds, targets, the table, the JSON and the PNG
-(the methods, the runner and the CLI: test_bench.py)."""
+(the methods, the launcher, the rounds, the runner and the CLI: test_bench.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from hilore_compiler.bench.report import (
     summarise,
     to_json,
 )
-from hilore_compiler.bench.runner import BenchConfig, BenchRun, MethodRun
+from hilore_compiler.bench.rounds import MethodRun
+from hilore_compiler.bench.runner import BenchConfig, BenchRun
 
 
 def _run(method: str, seconds: float, peak_mb: float, cosine: float = 1.0) -> MethodRun:
@@ -104,7 +105,8 @@ def test_on_cuda_one_worker_sets_up_measures_the_peak_and_is_timed(tmp_path, mon
     """The CUDA path, without a GPU: no peak worker of its own (max_memory_allocated
     needs no allocator setting), no second worker for the rounds, the GC peak the
     x-gc budgets refer to read from the warm-up, and peaks read from the timed steps."""
-    from hilore_compiler.bench import runner
+    from hilore_compiler.bench import launcher as launching
+    from hilore_compiler.bench.rounds import measure_rounds, warm_peak
 
     started: list[tuple[str, dict]] = []
 
@@ -123,20 +125,20 @@ def test_on_cuda_one_worker_sets_up_measures_the_peak_and_is_timed(tmp_path, mon
         def close(self):
             pass
 
-    monkeypatch.setattr(runner, "WorkerProcess", Fake)
+    monkeypatch.setattr(launching, "WorkerProcess", Fake)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")  # the report names the device
     config = BenchConfig(model="tiny", methods=("gc", "hilore"), repeats=2, device="cuda")
-    launcher = runner.Launcher(config, "cuda", tmp_path, lambda _: None)
+    launcher = launching.Launcher(config, "cuda", tmp_path, lambda _: None)
     assert launcher.peaks_apart is False and "MALLOC_MMAP_THRESHOLD_" not in launcher.peak_env
     gc = launcher.start("gc")
-    launcher.gc_peaks["gc"] = int(runner.warm_peak(gc))
+    launcher.gc_peaks["gc"] = int(warm_peak(gc))
     hilore = launcher.start("hilore")
     assert hilore.worker_config.options.gc_peak_bytes == 100 * 10**6  # the x-gc ceiling: GC's measured peak
     for run in (gc, hilore):
         launcher.time(run)
         assert run.worker is not None and run.peaks == []  # the set-up worker is the timed one
     assert [m for m, _ in started] == ["gc", "hilore"]
-    runner.measure_rounds([gc, hilore], config, lambda _: None)
+    measure_rounds([gc, hilore], config, lambda _: None)
     report = summarise(BenchRun(config=config, device="cuda", runs=(gc, hilore), budget_search=None, run_dir=None))
     stats = {s.method: s for s in report.stats}
     assert stats["hilore"].peak_vs_gc == pytest.approx(1.08) and stats["hilore"].paired_vs_gc.rounds == 2

@@ -11,7 +11,10 @@ Modules in the order a run uses them:
   the GRPO actor step, setup and measured steps.
 - ``search``: a grid over PyTorch's activation_memory_budget: the fastest
   budget whose peak fits HiLoRe's.
-- ``runner``: spawns the workers, sets them up, alternates them in rounds.
+- ``process``: a worker process and its pipe; the environment it runs in.
+- ``launcher``: starts a method's workers: set-up and peak, then the timed one.
+- ``rounds``: a method's figures as a run goes; alternating, counted rounds.
+- ``runner``: the step bench: every method set up in turn, rounds, fidelity.
 - ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
 - ``report``: statistics, the paper's targets, table, JSON and PNG.
 """

@@ -48,7 +48,7 @@ from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
 from .process import WorkerError, WorkerProcess, worker_env
-from .runner import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
+from .rounds import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
 ACTOR_METHODS = ("store-all", "gc", "gc-skip", "uniform-int8", "hilore-blind", "hilore-blind-skip",

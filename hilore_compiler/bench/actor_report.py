@@ -23,7 +23,7 @@ from typing import Any
 from .actor import LABELS, PLAN_OF, SKIPPING, ActorBenchConfig
 from .paired import paired_ratio
 from .report import Spread, environment
-from .runner import MethodRun
+from .rounds import MethodRun
 
 ACTOR_SCHEMA = "hilore.bench-actor/v1"
 

@@ -114,7 +114,7 @@ class MethodOptions:
     loss_ratio: float = 0.0
     #: GC's measured peak (bytes): ``x-gc`` budgets are multiples of it; None:
     #: of GC's predicted peak. The runner sets it from the warm-up of the GC
-    #: that runs the same step (``runner.REFERENCE_GC``): ``gc`` for ``hilore``
+    #: that runs the same step (``launcher.REFERENCE_GC``): ``gc`` for ``hilore``
     #: and ``hilore-blind``, ``gc-chunked`` for ``hilore-step``.
     gc_peak_bytes: int | None = None
     #: Tokens per chunk of ``gc-chunked``'s log-probs: with a 128k vocabulary

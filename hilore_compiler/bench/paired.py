@@ -1,6 +1,6 @@
 """Paired speed ratios across rounds of alternation, with a 95% t-interval.
 
-Every round measures each method back to back (runner.measure_rounds), so a
+Every round measures each method back to back (rounds.measure_rounds), so a
 slow phase of a shared machine slows the methods of one round together. The
 ratio of two methods within one round cancels it: for round r,
 ``ratio_r = median tokens/s of A's round-r steps / that of B's``. Across

@@ -3,7 +3,7 @@
 Throughput is tokens per second of one step (B x T tokens), the median over
 the measured steps of all rounds, with min/max and quartiles as spread;
 peak memory is the median per-step peak (on CPU measured by each method's
-worker of its own under the VmHWM allocator setting, ``runner.Launcher``,
+worker of its own under the VmHWM allocator setting, ``launcher.Launcher``,
 while the timed rounds run on the default allocator). Both are reported as ratios to GC,
 the baseline the paper's ceiling and speed-ups are stated against; speed
 also as the geometric mean of per-round paired ratios with a 95% interval
@@ -25,7 +25,8 @@ import torch
 from ..jsonio import write_json_atomic
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
-from .runner import BenchRun, MethodRun, peak_samples
+from .rounds import MethodRun, peak_samples
+from .runner import BenchRun
 
 BENCH_SCHEMA = "hilore.bench/v1"
 

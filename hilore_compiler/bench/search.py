@@ -75,7 +75,7 @@ def search_budget(probe: Callable[[float], Any], peak_of: Callable[[Any], float 
                   tolerance: float = DEFAULT_TOLERANCE) -> tuple[Any, BudgetSearch]:
     """Try the ``grid(probes)`` budgets, one worker process each; return the kept run and the record.
 
-    ``probe(budget)`` starts a worker (a ``runner.MethodRun``), ``peak_of(run)``
+    ``probe(budget)`` starts a worker (a ``rounds.MethodRun``), ``peak_of(run)``
     and ``seconds_of(run)`` are its measured peak and step seconds, None if it
     failed. Only the best worker so far stays open: the others are closed as
     soon as they are beaten, so idle probes hold no memory during later ones.

@@ -18,7 +18,9 @@ from hilore_compiler.bench.methods import (
     Checkpointed,
     MethodOptions,
     choose_bucket,
+    plan_summary,
     prepare_method,
+    step_cosines,
     uniform_plan,
     wrap_layers,
 )
@@ -33,7 +35,9 @@ from hilore_compiler.cli import build_parser
 from hilore_compiler.commands.bench import config_from_args
 from hilore_compiler.grpo import GRPOConfig
 from hilore_compiler.models import build_model, token_logprobs
-from hilore_compiler.solver.synthetic import random_trace
+from hilore_compiler.solver import solve
+from hilore_compiler.solver.risk import error2_to_cosine, parse_risk_budget
+from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
 
 
 # --- device and spreads ----------------------------------------------------
@@ -104,6 +108,29 @@ def test_choose_bucket_refuses_a_backend_that_fell_back():
         choose_bucket(fell_back, torch.ones(2))
     assert choose_bucket(types.SimpleNamespace(graphs=[]), torch.ones(2)) is None
 
+
+def test_a_bucket_step_is_held_to_its_share_of_the_update_error_budget():
+    """The risk budget bounds the whole update, sum_b q_b s_b^2: one bucket's
+    step alone may reach risk_budget / q_b, the blind plan's (q = 1) the
+    update's own cos >= 0.999; the plan's prediction for the step is risk_b / q_b."""
+    trace = synthetic_trace(SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2,
+                                            vocab=128, batch=2, seq_len=16))
+    for buckets in (3, 1):
+        plan = solve(trace, "0.85x-store", buckets=buckets)
+        summary = json.loads(json.dumps(plan_summary(types.SimpleNamespace(
+            graphs=[types.SimpleNamespace(plan=plan, records=[])]))))  # as it crosses the worker's pipe
+        solved = [b for b in plan.buckets if not b.skip]
+        assert len(solved) == buckets
+        for b in solved:
+            cosines = step_cosines(summary, b.bucket.name)
+            assert cosines["cosine_bound"] == pytest.approx(error2_to_cosine(plan.risk_budget / b.error_share))
+            assert cosines["predicted_cosine"] == pytest.approx(error2_to_cosine(b.risk / b.error_share))
+            assert cosines["predicted_cosine"] >= cosines["cosine_bound"]
+        bounds = [step_cosines(summary, b.bucket.name)["cosine_bound"] for b in solved]
+        assert bounds == sorted(bounds)  # the more error share, the tighter
+    assert bounds == [pytest.approx(error2_to_cosine(parse_risk_budget("cos>=0.999")))]
+    assert bounds[0] == pytest.approx(0.999)
+    assert step_cosines(summary, "zero") == {} and step_cosines({}, "b0") == {}
 
 
 def test_bf16_worker_config_round_trips_and_steps_with_fp32_logprobs():

@@ -161,6 +161,27 @@ def test_whole_step_targets_pair_rounds_against_gc_chunked():
     assert [t.met for t in report.targets if "whole step" in t.name] == [False, False, False]
 
 
+def test_a_bucket_step_is_checked_against_its_plans_bound_not_the_updates():
+    """A step running bucket b1 (a quarter of the update's error share) may
+    reach the squared error 2e-3 / 0.25, cos >= 0.996; the table shows what
+    the plan predicted beside what was measured."""
+    config = BenchConfig(model="tiny", batch=2, seq_len=128)
+
+    def cosine_target(measured: float):
+        hilore = _rounds_run("hilore", 1.5, 105, cosine=measured)
+        hilore.info.update(bucket="b1", predicted_cosine=0.9985, cosine_bound=0.996)
+        report = summarise(BenchRun(config=config, device="cpu", runs=(_rounds_run("gc", 2.0, 100), hilore),
+                                    budget_search=None, run_dir=None))
+        return next(t for t in report.targets if t.name == "HiLoRe gradient cosine"), format_table(report)
+
+    target, table = cosine_target(0.9977)
+    assert target.met is True and target.threshold == 0.996 and "predicts 0.998500" in target.detail
+    assert "0.997700" in table and "0.998500" in table
+    assert cosine_target(0.9955)[0].met is False
+    # Without a plan's bound (a baseline, an old result file) the update's target holds.
+    assert _report().targets[3].threshold == 0.999
+
+
 def test_report_table_and_json():
     report = _report()
     table = format_table(report)

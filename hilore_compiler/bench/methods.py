@@ -326,6 +326,9 @@ def plan_summary(backend: Any) -> dict[str, Any]:
     out.update(budget=plan.budget, budget_bytes=plan.budget_bytes, gc_bytes=plan.gc_bytes,
                store_bytes=plan.store_bytes,
                predicted_memory_bytes={b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip},
+               risk_budget=plan.risk_budget,
+               bucket_error={b.bucket.name: {"risk": b.risk, "error_share": b.error_share}
+                             for b in plan.buckets if not b.skip},
                decisions_digest=_decisions_digest(plan))
     # What the partitioner applied; empty where Inductor's graph cache served
     # the compiled graph and no partitioner ran (a bench's timed worker).
@@ -335,6 +338,27 @@ def plan_summary(backend: Any) -> dict[str, Any]:
         for g in graphs for r in g.records
     ]
     return out
+
+
+def step_cosines(summary: dict[str, Any], bucket: str | None) -> dict[str, float]:
+    """What a plan says of the gradient cosine of one step run under ``bucket``.
+
+    The risk budget bounds the whole update's squared error, ``sum_b q_b
+    s_b^2`` over the buckets' error shares ``q_b``. A step that is one
+    bucket's microbatch alone has the error ``s_b`` of that bucket's plan:
+    ``predicted_cosine`` is the cosine its predicted ``s_b^2 = risk_b / q_b``
+    guarantees, ``cosine_bound`` the one the budget leaves it,
+    ``risk_budget / q_b``. For the exposure-blind plan (``q = 1``) the bound is
+    the update's own target. Empty where the plan did not record its mix.
+    """
+    from ..solver.risk import error2_to_cosine
+
+    error = summary.get("bucket_error", {}).get(bucket) or {}
+    share = error.get("error_share")
+    if not share or "risk_budget" not in summary:
+        return {}
+    return {"error_share": share, "predicted_cosine": error2_to_cosine(error["risk"] / share),
+            "cosine_bound": error2_to_cosine(summary["risk_budget"] / share)}
 
 
 def _decisions_digest(plan: Any) -> str:

@@ -81,6 +81,10 @@ class MethodStats:
     predicted_peak_bytes: float | None = None
     #: Measured peak within MEMORY_CEILING x GC's (None without both peaks).
     fits_ceiling: bool | None = None
+    #: The cosine the plan predicts for this step's bucket, and the one its
+    #: risk budget leaves that bucket (``methods.step_cosines``); None: no plan.
+    predicted_cosine: float | None = None
+    cosine_bound: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +135,7 @@ def method_stats(run: MethodRun, tokens: int, gc: MethodRun | None) -> MethodSta
         paired_vs_gc=paired_ratio(run.samples, gc.samples, tokens) if gc else None,
         predicted_peak_bytes=run.info.get("predicted_peak_bytes"),
         fits_ceiling=None if peak_vs_gc is None else peak_vs_gc <= MEMORY_CEILING,
+        predicted_cosine=run.info.get("predicted_cosine"), cosine_bound=run.info.get("cosine_bound"),
     )
 
 
@@ -141,6 +146,24 @@ def _compare(name: str, value: float | None, threshold: float, sense: str, missi
     margin = (value / threshold - 1) * 100
     return Target(name=name, value=value, threshold=threshold, sense=sense, met=met,
                   detail=f"{value:.4g} vs {sense} {threshold:g} ({margin:+.1f}%)")
+
+
+def _cosine(name: str, s: MethodStats | None, missing: str) -> Target:
+    """Gradient cosine against the bound the method's plan promises for this step.
+
+    A step that runs one exposure bucket alone may spend that bucket's share
+    of the update's error budget: its bound is ``risk_budget / error_share``
+    (``methods.step_cosines``), MIN_COSINE for the exposure-blind plan and
+    for methods without a plan.
+    """
+    bound = s.cosine_bound if s and s.cosine_bound is not None else MIN_COSINE
+    target = _compare(name, s.cosine if s else None, bound, ">=", missing)
+    if s and s.cosine_bound is not None and target.value is not None:
+        detail = f"{target.detail}; the bound of its plan for this step"
+        if s.predicted_cosine is not None:
+            detail += f", which predicts {s.predicted_cosine:.6f}"
+        target = replace(target, detail=detail)
+    return target
 
 
 def best_fitting_baseline(stats: dict[str, MethodStats]) -> MethodStats | None:
@@ -184,8 +207,7 @@ def targets(stats: dict[str, MethodStats], vs_best: PairedRatio | None = None,
         _speed(f"HiLoRe speed / fastest fitting baseline ({best.label if best else '-'})", median_vs_best,
                vs_best if median_vs_best else None, SPEEDUP_VS_BEST,
                "needs HiLoRe and a baseline within the ceiling"),
-        _compare("HiLoRe gradient cosine", h.cosine if h else None, MIN_COSINE, ">=",
-                 "needs HiLoRe and store-all gradients"),
+        _cosine("HiLoRe gradient cosine", h, "needs HiLoRe and store-all gradients"),
         *step_targets(stats, vs_chunked),
     ]
 
@@ -203,8 +225,7 @@ def step_targets(stats: dict[str, MethodStats], paired: PairedRatio | None = Non
     return [_compare("HiLoRe whole step peak / GC + chunked peak", peak, MEMORY_CEILING, "<=", missing),
             _speed("HiLoRe whole step speed / GC + chunked speed", speed, paired if speed else None, 1.0,
                    missing),
-            _compare("HiLoRe whole step gradient cosine", h.cosine, MIN_COSINE, ">=",
-                     "needs HiLoRe whole step and store-all gradients")]
+            _cosine("HiLoRe whole step gradient cosine", h, "needs HiLoRe whole step and store-all gradients")]
 
 
 def recovered_fraction(stats: dict[str, MethodStats]) -> float | None:
@@ -279,9 +300,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_table(report: BenchReport) -> str:
     """The side-by-side table: throughput (paired ratio to GC with its 95% interval),
-    measured and predicted peak, fidelity, and whether the peak fits the ceiling."""
+    measured and predicted peak, measured and predicted gradient cosine, and
+    whether the peak fits the ceiling."""
     head = (f"{'method':<15}{'tokens/s':>10}  {'x GC [95% CI]':<20}{'peak MB':>9}{'x GC':>7}"
-            f"{'pred MB':>9}{'grad cos':>11}{'rel err':>9}{'fits':>6}  note")
+            f"{'pred MB':>9}{'grad cos':>11}{'pred cos':>11}{'rel err':>9}{'fits':>6}  note")
     lines = [head, "-" * len(head)]
     for s in report.stats:
         t, p = s.tokens_per_s, s.peak_bytes
@@ -291,7 +313,8 @@ def format_table(report: BenchReport) -> str:
             f"{s.label:<15}{_fmt(t and t.median, '.0f'):>10}  {speed:<20}"
             f"{_fmt(p and p.median / 1e6, '.1f'):>9}{_fmt(s.peak_vs_gc, '.3f'):>7}"
             f"{_fmt(s.predicted_peak_bytes and s.predicted_peak_bytes / 1e6, '.1f'):>9}"
-            f"{_fmt(s.cosine, '.6f'):>11}{_fmt(s.rel_l2, '.1e'):>9}{fits:>6}  {s.note}")
+            f"{_fmt(s.cosine, '.6f'):>11}{_fmt(s.predicted_cosine, '.6f'):>11}{_fmt(s.rel_l2, '.1e'):>9}"
+            f"{fits:>6}  {s.note}")
     return "\n".join(lines)
 
 

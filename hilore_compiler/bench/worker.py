@@ -34,7 +34,7 @@ from ..models import build_model, token_logprobs
 from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
                       plan_loss_ratio)
 from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
-                      prepare_method, tuned_step)
+                      prepare_method, step_cosines, tuned_step)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,6 +198,7 @@ class Worker:
             predicted = plan.get("predicted_memory_bytes", {}).get(self.bucket)
             if predicted is not None:
                 info["predicted_peak_bytes"] = predicted
+            info.update(step_cosines(plan, self.bucket))
         if self.config.options.activation_memory_budget is not None and self.config.method == "pt-budget":
             info["activation_memory_budget"] = self.config.options.activation_memory_budget
         return info

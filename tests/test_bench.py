@@ -332,7 +332,7 @@ def test_two_cheap_methods_run_in_worker_processes(request, monkeypatch):
 
 
 class FakeWorker:
-    """A ``WorkerProcess`` that answers at once with the next of ``DIGESTS``' plan digests."""
+    """A ``WorkerProcess`` that answers at once, its plan digest the next of ``digests``."""
 
     digests: Iterator[str] = iter(())
     spawned: list[FakeWorker] = []

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from hilore_compiler.bench.measure import StepSample
+from hilore_compiler.bench.plot import _label_offsets, save_png
 from hilore_compiler.bench.report import (
     MEMORY_CEILING,
-    _label_offsets,
     format_table,
     format_targets,
-    save_png,
     summarise,
     to_json,
 )

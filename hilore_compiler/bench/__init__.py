@@ -16,5 +16,6 @@ Modules in the order a run uses them:
 - ``rounds``: a method's figures as a run goes; alternating, counted rounds.
 - ``runner``: the step bench: every method set up in turn, rounds, fidelity.
 - ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
-- ``report``: statistics, the paper's targets, table, JSON and PNG.
+- ``report``: statistics, the paper's targets, table and JSON.
+- ``plot``: the PNG, throughput against peak memory.
 """

@@ -159,7 +159,8 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.report import format_table, format_targets, save_json, save_png, summarise
+    from ..bench.plot import save_png
+    from ..bench.report import format_table, format_targets, save_json, summarise
     from ..bench.runner import run_bench
 
     if args.nproc:

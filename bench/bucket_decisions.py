@@ -1,6 +1,6 @@
 """Per-bucket decisions on the checked-in traces, against the exposure-blind control.
 
-Prints the README's table "Per-bucket decisions at 1.10x-gc": for each trace
+Prints the table "Per-bucket decisions at 1.10x-gc" of docs/fidelity.md: for each trace
 and error target, each bucket's plan, the summed risk against the budget,
 each bucket's own squared error (its risk over its error share), and
 the recovery time over the default exposure mix (each bucket's time weighted

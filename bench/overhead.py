@@ -4,8 +4,9 @@ It asks where a plan's measured time over store-all comes from: the
 plan's recovery (recompute, encode, decode), or the backend itself (its
 partitioner and codec graph, with nothing to recover), and whether the
 solver's predicted recovery accounts for it. It found int4's encode running
-3x int8's (fixed in commit 1a36683; README, "Fidelity", int4). It
-compiles, in this process and at the actor bench's microbatch shape:
+3x int8's (fixed in commit 1a36683; docs/fidelity.md, "The whole actor
+update with int4 on offer"). It compiles, in this process and at the actor
+bench's microbatch shape:
 
 - ``store-all``: torch.compile with Inductor's own partitioner;
 - ``gc``: per-layer checkpoint;

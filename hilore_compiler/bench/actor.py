@@ -98,7 +98,7 @@ class ActorBenchConfig:
     budget: str = "1.10x-gc"
     #: The update's error budget (``solver.risk``): default cos >= 0.999.
     risk_budget: str = "cos>=0.999"
-    #: Codecs the plans may use; ``int4`` is opt-in (see the README's "Fidelity").
+    #: Codecs the plans may use; ``int4`` is opt-in (see docs/fidelity.md, "int4").
     codecs: tuple[str, ...] = ("bf16", "int8")
     buckets: int = 3
     methods: tuple[str, ...] = ACTOR_METHODS

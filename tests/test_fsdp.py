@@ -132,12 +132,14 @@ def all_gathers_per_step(model, ids: torch.Tensor) -> int:
     """FSDP2 all-gathers during one forward + backward of ``model`` on ``ids``."""
     import torch.distributed as dist
 
-    real, calls = dist.all_gather_single, []
-    dist.all_gather_single = lambda *a, **k: calls.append(1) or real(*a, **k)
+    # FSDP2 calls all_gather_single from torch 2.13 on, all_gather_into_tensor before.
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real, calls = getattr(dist, name), []
+    setattr(dist, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
         model(ids).float().square().mean().backward()
     finally:
-        dist.all_gather_single = real
+        setattr(dist, name, real)
     return len(calls)
 
 

@@ -6,13 +6,16 @@ and chunked log-probs that equal the unchunked ones without ever making the
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hilore_compiler.backend import HiLoReBackend
+from hilore_compiler.backend.planning import HiLoReWarning
 from hilore_compiler.grpo import GRPOConfig, compiled_step, step_fn
-from hilore_compiler.grpo.step import hidden_states, output_weight
+from hilore_compiler.grpo.step import checkpointed_chunks_miscompiled, hidden_states, output_weight
 from hilore_compiler.models import build_model, chunked_token_logprobs, token_logprobs
 from hilore_compiler.tracefile import load_trace
 
@@ -78,8 +81,12 @@ def compiled(request, tmp_path_factory):
     return request.param, backend, got, want, cache
 
 
-def test_compiled_step_gradients_are_exact(compiled):
+def test_compiled_step_gradients_are_exact(compiled, request):
     name, backend, got, want, _ = compiled
+    if name == "hf-llama" and checkpointed_chunks_miscompiled(torch.__version__, "cpu"):
+        # Plain Inductor is as far off there (test_older_inductor_miscompiles_checkpointed_chunks).
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"torch {torch.__version__}'s Inductor "
+                                              "miscompiles checkpointed chunks on the CPU"))
     assert len(backend.graphs) == 1, f"{name}: the step broke into {len(backend.graphs)} graphs"
     assert rel_l2(got, want) < 1e-4
 
@@ -161,3 +168,19 @@ def test_chunked_logprobs_equal_unchunked_without_full_logits(name):
     # logits (and their gradient); the chunked one one chunk's at most.
     assert full >= BATCH * (SEQ - 1) * vocab
     assert largest_c == CHUNK * vocab
+
+
+def test_older_inductor_miscompiles_checkpointed_chunks():
+    """The torch releases ``checkpointed_chunks_miscompiled`` names are the ones whose
+    plain Inductor gets a checkpointed chunked step wrong (no hilore involved); on
+    the others it is exact, and ``compiled_step`` warns only where it is not."""
+    model = hf_llama()
+    want = step_grads(model, step_fn(model, LOSS), 64)
+    miscompiled = checkpointed_chunks_miscompiled(torch.__version__, "cpu")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step = compiled_step(model, LOSS, backend="inductor", chunk_tokens=CHUNK)
+    assert any(issubclass(w.category, HiLoReWarning) for w in seen) == miscompiled
+    got = step_grads(model, step, 64)
+    torch._dynamo.reset()
+    assert (rel_l2(got, want) > 0.1) == miscompiled, rel_l2(got, want)

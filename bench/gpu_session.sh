@@ -4,9 +4,12 @@
 # runs here in order of what the next step needs, each step under its own
 # time limit, and whatever finished is in $OUT even if a later step did not.
 #
-#   1. install: pulp from the wheel carried in .whl/ (the GPU machine has
-#      no package index), then this checkout, editable, so that
-#      backend="hilore" is registered;
+#   1. install: pulp and setuptools from the wheels carried in .whl/ (the
+#      GPU machine has no package index), then this checkout, editable, so
+#      that backend="hilore" is registered; the editable install builds
+#      with the machine's own setuptools, which needs bdist_wheel
+#      (setuptools >= 70.1, or the wheel package): the carried setuptools
+#      makes sure of it;
 #   2. hilore bench --device cuda on TinyLlama-1.1B's shapes in bf16 (the
 #      configuration GPU.md's baseline figures were measured at);
 #   3. tests/test_cuda.py: the backend, every codec, recompute with dropout,
@@ -16,7 +19,7 @@
 # Before the session, from the repository root on a machine with the index:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux2014_x86_64 -d .whl pulp==3.3.2
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl pulp==3.3.2 setuptools==80.9.0
 #
 # then run it with the device tool: command `bash bench/gpu_session.sh`,
 # carry [".whl"], timeout 600. Results: $OUT/session.log (what ran, how
@@ -68,8 +71,8 @@ log "start; $(left)s to go"
 } >"$OUT/env.txt"
 tee -a "$OUT/session.log" <"$OUT/env.txt"
 
-if ! ls .whl/*.whl >/dev/null 2>&1; then
-    log "no .whl/*.whl: download pulp's wheel first (see the top of this script) and carry .whl"
+if ! ls .whl/pulp-*.whl .whl/setuptools-*.whl >/dev/null 2>&1; then
+    log "no .whl/pulp-*.whl or .whl/setuptools-*.whl: download both first (see the top of this script) and carry .whl"
     exit 2
 fi
 SITE=${TMPDIR:-/tmp}/hilore-site

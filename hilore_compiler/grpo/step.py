@@ -31,9 +31,9 @@ checkpoint are exact. ``compiled_step`` warns about it there.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
-import warnings
 
 import torch
 from torch import Tensor, nn

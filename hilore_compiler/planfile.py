@@ -124,13 +124,31 @@ PEAK_PARTS = ("rebuilt", "workspace", "weight_gradients", "outputs", "freed")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LengthPoint:
+    """A range plan's predictions at one sequence length of its range."""
+
+    seq_len: int
+    #: The length's share of the length mix the plan's time was minimised over.
+    weight: float
+    #: The memory ceiling at this length (``x-gc`` budgets follow GC's peak here).
+    budget_bytes: int
+    gc_bytes: int
+    store_bytes: int
+    #: Per bucket with decisions: predicted peak bytes and recovery seconds here.
+    memory_bytes: Mapping[str, int] = field(default_factory=dict)
+    time_s: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """A complete plan for one model at one shape and one memory budget."""
+    """A complete plan for one model at one shape (or a range of sequence lengths) and one memory budget."""
 
     model: str
     #: The trace's fingerprint; the backend refuses a plan made for another graph.
     fingerprint: str
     batch: int
+    #: The planned shape; for a range plan, its longest length, where sizes,
+    #: ``budget_bytes``, the references and the buckets' predictions are given.
     seq_len: int
     #: The budget as given (``"1.10x-gc"``) and in bytes at this shape.
     budget: str
@@ -144,6 +162,21 @@ class Plan:
     buckets: tuple[BucketPlan, ...]
     units: tuple[PlanUnit, ...]
     notes: tuple[str, ...] = ()
+    #: The sequence lengths ``(lo, hi)`` the plan holds for (``solver.lengths``):
+    #: it fits the ceiling at each of them; None: ``seq_len`` alone.
+    seq_range: tuple[int, int] | None = None
+    #: Predictions at lengths across ``seq_range`` (empty for a one-shape plan).
+    lengths: tuple[LengthPoint, ...] = ()
+
+    @property
+    def length_range(self) -> tuple[int, int]:
+        """``(lo, hi)``: the sequence lengths this plan was made to hold for."""
+        return self.seq_range or (self.seq_len, self.seq_len)
+
+    def covers(self, seq_len: int) -> bool:
+        """Whether the plan was made to hold at this sequence length."""
+        lo, hi = self.length_range
+        return lo <= seq_len <= hi
 
     @property
     def bucket_names(self) -> tuple[str, ...]:
@@ -176,7 +209,8 @@ class Plan:
             "schema": PLAN_SCHEMA,
             "model": self.model,
             "fingerprint": self.fingerprint,
-            "shape": {"batch": self.batch, "seq_len": self.seq_len},
+            "shape": {"batch": self.batch, "seq_len": self.seq_len,
+                      **({"seq_range": list(self.seq_range)} if self.seq_range else {})},
             "budget": {"given": self.budget, "bytes": self.budget_bytes},
             "references": {"gc_bytes": self.gc_bytes, "store_bytes": self.store_bytes},
             "risk_budget": self.risk_budget,
@@ -185,6 +219,7 @@ class Plan:
             "notes": list(self.notes),
             "buckets": [_bucket_json(b) for b in self.buckets],
             "units": [_unit_json(u) for u in self.units],
+            **({"lengths": [_length_json(p) for p in self.lengths]} if self.lengths else {}),
         }
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -224,6 +259,35 @@ def _bucket_json(b: BucketPlan) -> dict[str, Any]:
         },
         "notes": list(b.notes),
     }
+
+
+def _length_json(p: LengthPoint) -> dict[str, Any]:
+    return {"seq_len": p.seq_len, "weight": p.weight, "budget_bytes": p.budget_bytes, "gc_bytes": p.gc_bytes,
+            "store_bytes": p.store_bytes, "memory_bytes": dict(p.memory_bytes), "time_s": dict(p.time_s)}
+
+
+def _length_from_json(obj: Any, where: str) -> LengthPoint:
+    obj = _as_object(obj, where)
+    memory = require(obj, "memory_bytes", dict, where)
+    times = require(obj, "time_s", dict, where)
+    for name, value in [*memory.items(), *times.items()]:
+        if isinstance(value, bool) or not isinstance(value, _NUM):
+            raise FormatError(f"{where}: bucket {name!r}: expected a number, found {value!r}")
+    return LengthPoint(seq_len=require(obj, "seq_len", int, where), weight=float(require(obj, "weight", _NUM, where)),
+                       budget_bytes=require(obj, "budget_bytes", int, where),
+                       gc_bytes=require(obj, "gc_bytes", int, where),
+                       store_bytes=require(obj, "store_bytes", int, where),
+                       memory_bytes={k: int(v) for k, v in memory.items()},
+                       time_s={k: float(v) for k, v in times.items()})
+
+
+def _seq_range_from_json(shape: dict[str, Any], where: str) -> tuple[int, int] | None:
+    value = shape.get("seq_range")
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+        raise FormatError(f"{where}.seq_range: expected [lo, hi] (two integers), found {value!r}")
+    return value[0], value[1]
 
 
 def _unit_json(u: PlanUnit) -> dict[str, Any]:
@@ -386,6 +450,9 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
         buckets=buckets,
         units=tuple(units),
         notes=tuple(require(payload, "notes", list, where)),
+        seq_range=_seq_range_from_json(shape, f"{where}.shape"),
+        lengths=tuple(_length_from_json(p, f"{where}.lengths[{i}]")
+                      for i, p in enumerate(payload.get("lengths") or [])),
     )
     raise_problems(plan_problems(plan, where))
     return plan

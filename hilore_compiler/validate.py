@@ -200,6 +200,11 @@ def plan_problems(plan: Any, where: str) -> list[str]:
     problems = _number(plan.batch, f"{where}.shape.batch", integer=True, positive=True)
     problems += _number(plan.seq_len, f"{where}.shape.seq_len", integer=True, positive=True)
     problems += _number(plan.budget_bytes, f"{where}.budget.bytes", integer=True)
+    if plan.seq_range is not None:
+        lo, hi = plan.seq_range
+        if not (isinstance(lo, int) and 1 <= lo <= hi == plan.seq_len):
+            problems.append(f"{where}.shape.seq_range: {[lo, hi]} must be [lo, hi] with 1 <= lo <= hi and hi "
+                            f"the planned seq_len {plan.seq_len}")
     problems += _number(plan.gc_bytes, f"{where}.references.gc_bytes", integer=True)
     problems += _number(plan.store_bytes, f"{where}.references.store_bytes", integer=True)
     problems += _number(plan.risk_budget, f"{where}.risk_budget")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..jsonio import check_output_path, save_or_fallback
 from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
+from ..solver.lengths import solve_length_buckets
 from .show import exposure_range
 
 
@@ -33,7 +35,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--codecs", default=None,
                    help="comma-separated codecs the plan may use, e.g. bf16,int8 (default: all the trace measured)")
     p.add_argument("--batch", type=int, default=None, help="plan for this batch (default: the traced one)")
-    p.add_argument("--seq-len", type=int, default=None, help="plan for this sequence length (default: traced)")
+    p.add_argument("--seq-len", type=seq_lens, default=None,
+                   help="plan for this sequence length, or LO:HI for one plan that holds over that range of "
+                        "lengths (the ceiling checked across it, recovery time minimised over --length-mix) "
+                        "(default: the traced length)")
+    p.add_argument("--length-mix", type=length_list, default=None,
+                   help="comma-separated sample sequence lengths of a typical run, for a range (default: "
+                        "uniform over it)")
+    p.add_argument("--length-buckets", type=int, default=1,
+                   help="with a range: split it into at most this many length buckets where that pays, "
+                        "one plan file each, PLAN.LO-HI.json (default 1)")
     p.add_argument("--loss-ratio", type=float, default=0.0,
                    help="the loss's own peak as a multiple of the graph outputs' bytes, when the loss "
                         "runs after the compiled graph (3.0 for fp32 token log-probs + GRPO loss; "
@@ -45,6 +56,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds CBC may spend on each bucket's ILP")
     p.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     p.set_defaults(run=run)
+
+
+def seq_lens(text: str) -> tuple[int, int]:
+    """``--seq-len``: ``S`` or ``LO:HI``, positive and ordered."""
+    try:
+        lo, _, hi = text.partition(":")
+        parsed = (int(lo), int(hi or lo))
+    except ValueError:
+        parsed = (0, 0)
+    if not 1 <= parsed[0] <= parsed[1]:
+        raise argparse.ArgumentTypeError(f"--seq-len takes a length like 2048 or a range like 512:4096, not {text!r}")
+    return parsed
+
+
+def length_list(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"--length-mix takes positive lengths like 512,1024,1024,3000, not {text!r}")
+    return lengths
 
 
 def _risk_budget(text: str) -> float | str:
@@ -77,13 +110,26 @@ def summary_lines(plan: Plan) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, inputs=[args.trace])
-    plan = solve(
-        args.trace, args.budget, risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs,
-        batch=args.batch, seq_len=args.seq_len, exposure_mix=args.exposure_mix,
-        loss_ratio=args.loss_ratio, gc_peak_bytes=args.gc_peak, options=SolverOptions(time_limit_s=args.time_limit),
-        progress=lambda message: print(message, file=sys.stderr, flush=True),
-    )
-    path = save_or_fallback(plan.save, args.output, "plan")
-    print("\n".join(summary_lines(plan)))
-    print(f"wrote {path}")
+    common = dict(risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs, batch=args.batch,
+                  exposure_mix=args.exposure_mix, loss_ratio=args.loss_ratio, gc_peak_bytes=args.gc_peak,
+                  options=SolverOptions(time_limit_s=args.time_limit),
+                  progress=lambda message: print(message, file=sys.stderr, flush=True))
+    lo, hi = args.seq_len or (None, None)
+    if lo is None or lo == hi:
+        plans = (solve(args.trace, args.budget, seq_len=hi, **common),)
+    else:
+        plans = solve_length_buckets(args.trace, (lo, hi), args.budget, max_buckets=args.length_buckets,
+                                     length_mix=args.length_mix, **common)
+    for plan in plans:
+        output = args.output if len(plans) == 1 else length_bucket_path(args.output, plan)
+        path = save_or_fallback(plan.save, output, "plan")
+        print("\n".join(summary_lines(plan)))
+        print(f"wrote {path}")
     return 0
+
+
+def length_bucket_path(output: str, plan: Plan) -> str:
+    """``plan.json`` -> ``plan.LO-HI.json``: one file per length bucket."""
+    path = Path(output)
+    lo, hi = plan.length_range
+    return str(path.with_name(f"{path.stem}.{lo}-{hi}{path.suffix or '.json'}"))

@@ -121,7 +121,7 @@ def render_plan(plan: Plan) -> str:
     """The plan as sections: header, buckets, per layer, per kind, totals."""
     head = [
         f"== plan: {plan.model} (fingerprint {plan.fingerprint})",
-        f"shape: batch {plan.batch}, seq_len {plan.seq_len}; costs: {plan.cost_source}; "
+        f"shape: batch {plan.batch}, seq_len {_lengths(plan)}; costs: {plan.cost_source}; "
         f"codecs: {', '.join(plan.codecs) or 'none'}",
         f"budget {plan.budget} = {format_bytes(plan.budget_bytes)}; GC {format_bytes(plan.gc_bytes)}; "
         f"store-all {format_bytes(plan.store_bytes)}; risk budget {plan.risk_budget:g}",
@@ -154,7 +154,24 @@ def render_plan(plan: Plan) -> str:
         table(["bucket", "kept", "transient", "memory", "vs GC", "vs store-all", "recovery"], totals),
         *(["", "== where the peak falls (transient = rebuilt + workspace + weight gradients + outputs)",
            table(["bucket", "at", "rebuilt", "workspace", "weight grads", "outputs", "freed"], peaks)] if peaks else []),
+        *(["", "== across the range (ceiling: the budget at that length; peak and recovery per bucket)",
+           _length_table(plan)] if plan.lengths else []),
     ])
+
+
+def _lengths(plan: Plan) -> str:
+    lo, hi = plan.length_range
+    return f"{hi}" if lo == hi else f"{lo} to {hi} (sizes and predictions below at {hi})"
+
+
+def _length_table(plan: Plan) -> str:
+    """A range plan's predicted peak and recovery time at each of its checked lengths."""
+    names = [b.bucket.name for b in plan.buckets if not b.skip]
+    rows = [[p.seq_len, f"{p.weight:.0%}", format_bytes(p.budget_bytes),
+             *(f"{format_bytes(p.memory_bytes[n])} / {format_seconds(p.time_s[n])}" for n in names),
+             _ratio(max(p.memory_bytes.values()), p.gc_bytes)]
+            for p in plan.lengths]
+    return table(["seq_len", "mix", "ceiling", *(f"{n} peak / recovery" for n in names), "peak vs GC"], rows)
 
 
 def render_trace(trace: Trace, curve: ParetoCurve) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
 from ..tracefile import Trace, load_trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
-from .budget import format_bytes, format_seconds, parse_budget
+from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc
 from .ilp import BucketWeight
 from .solving import solve_min_memory, solve_min_time
@@ -299,26 +299,42 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     through all of it, GC's reference peak included.
     """
     check_cbc()
-    options = options or SolverOptions()
-    say = progress or (lambda _msg: None)
     error2 = parse_risk_budget(risk_budget)
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio,
                            accumulate_gradients=accumulate_gradients)
     parsed = parse_budget(budget)
+    check_gc_peak(gc_peak_bytes)
+    budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
+    return plan_model(trace, model, budget=parsed, budget_bytes=budget_bytes, risk_budget=error2,
+                      buckets=buckets, exposure_mix=exposure_mix, gradient_exposures=gradient_exposures,
+                      loss_ratio=loss_ratio, gc_peak_bytes=gc_peak_bytes,
+                      accumulate_gradients=accumulate_gradients, options=options, progress=progress)
+
+
+def check_gc_peak(gc_peak_bytes: int | None) -> None:
     if gc_peak_bytes is not None and not (isinstance(gc_peak_bytes, int) and gc_peak_bytes > 0):
         raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
-    budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
+
+
+def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: int, risk_budget: float,
+               buckets: int | Sequence[BucketSpec | tuple], exposure_mix: Sequence[float] | str | os.PathLike | None,
+               gradient_exposures: Sequence[float] | None, loss_ratio: float, gc_peak_bytes: int | None,
+               accumulate_gradients: bool, options: SolverOptions | None, progress: Progress | None) -> Plan:
+    """``solve`` on an evaluated cost model, under ``budget_bytes``; ``risk_budget`` parsed."""
+    options = options or SolverOptions()
+    say = progress or (lambda _msg: None)
+    error2 = risk_budget
     exposures = mix_exposures(exposure_mix)
     shares = planned_shares(buckets, exposures, gradient_exposures)
     weights = [BucketWeight(name=s.spec.name, samples=s.samples, error=s.error) for s in shares]
     say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
-        f"{model.batch}, seq_len {model.seq_len}, budget {parsed.text} = {format_bytes(budget_bytes)}, "
+        f"{model.batch}, seq_len {model.seq_len}, budget {budget.text} = {format_bytes(budget_bytes)}, "
         f"error budget {error2:.3g} (cos >= {error2_to_cosine(error2):.6g})")
     # A measured ceiling holds the step's measured peak, so the prediction
     # keeps headroom for the memory model's error; a modelled one is compared
     # with the model's own prediction of GC and needs none.
     headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
-    plans, stats = solve_buckets(model, weights, budget_text=parsed.text, budget_bytes=budget_bytes,
+    plans, stats = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
                                  risk_budget=error2, options=options, gc_bytes=gc_peak_bytes, headroom=headroom)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]
     for b in solved:
@@ -343,7 +359,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
                      f"{trace.batch}, seq_len {trace.seq_len}: sizes re-evaluated, seconds scaled by bytes")
     return Plan(
         model=trace.model, fingerprint=trace.fingerprint, batch=model.batch, seq_len=model.seq_len,
-        budget=parsed.text, budget_bytes=budget_bytes, gc_bytes=model.gc_bytes,
+        budget=budget.text, budget_bytes=budget_bytes, gc_bytes=model.gc_bytes,
         store_bytes=model.store_bytes, risk_budget=error2,
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
         buckets=(skip_bucket(zero_share(exposures)), *solved), units=plan_units(model), notes=tuple(notes),

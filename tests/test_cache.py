@@ -81,8 +81,8 @@ def test_the_partitioner_pickles_to_its_identity_not_its_tensors():
 
     from hilore_compiler.backend.partitioner import PlanPartitioner
 
-    planner = SimpleNamespace(plan_known=False, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
-    assert len(pickle.dumps(PlanPartitioner(planner, None, []))) < 200
+    planner = SimpleNamespace(plan=None, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
+    assert len(pickle.dumps(PlanPartitioner(planner, None, None, []))) < 200
 
 
 def test_plans_for_other_solver_options_reuse_the_graphs_trace(tmp_path, monkeypatch):

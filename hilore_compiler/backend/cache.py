@@ -7,12 +7,13 @@ is said once. The cache never stops a compile.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..jsonio import FormatError
@@ -97,6 +98,38 @@ class PlanCache:
 
     def save_plan(self, plan: Plan) -> Path | None:
         return self._save(plan, self.plan_path)
+
+    def _length_path(self, index: int) -> Path | None:
+        """Length bucket ``index``'s plan file; the first is ``plan_path``."""
+        if index == 0 or self.folder is None:
+            return self.plan_path
+        return self.folder / f"{self.key}.plan.{index}.json"
+
+    def load_plans(self) -> tuple[Plan, ...]:
+        """The cached plans of every length bucket (shortest first), or () if any is missing or unreadable."""
+        plans = []
+        for index in itertools.count():
+            path = self._length_path(index)
+            if path is None or not path.exists():
+                break
+            plan = self._load(path, load_plan, "plan", "re-planning")
+            if plan is None:
+                return ()
+            plans.append(plan)
+        return tuple(plans)
+
+    def save_plans(self, plans: Sequence[Plan]) -> Path | None:
+        """Save each length bucket's plan; a stale longer list's extra files are removed."""
+        where = None
+        for index, plan in enumerate(plans):
+            saved = self._save(plan, self._length_path(index))
+            where = where or saved
+        for index in itertools.count(len(plans)):
+            path = self._length_path(index)
+            if index == 0 or path is None or not path.exists():
+                break
+            path.unlink(missing_ok=True)
+        return where
 
     def save_trace(self, trace: Trace) -> Path | None:
         return self._save(trace, self.trace_path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,22 +27,35 @@ from ..planfile import Plan
 from .matching import default_bucket
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
-from .planning import DynamicShapeError, GraphPlanner, fall_back
-from .runtime import current_bucket
+from .planning import GraphPlanner, fall_back
+from .variants import VariantTable, compile_variant as _compile_variant
 
 
 @dataclass(slots=True)
 class CompiledGraph:
     """What the backend made of one dynamo graph, kept for inspection."""
 
-    #: None when nothing was planned (no backward, nothing saved, or a fallback).
+    #: The compiled call's plan; None when nothing was planned (no backward,
+    #: nothing saved, or a fallback).
     plan: Plan | None
     variants: dict[str, Callable[..., Any]]
-    #: Bucket name -> the bucket whose identical decisions it shares a variant with.
+    #: Bucket name -> the variant that runs it under ``plan``.
     variant_of: dict[str, str]
     records: list[PartitionRecord]
     compile_seconds: float
     default_bucket: str
+    #: Every length bucket's plan, shortest first (a static graph: ``plan`` alone).
+    plans: tuple[Plan, ...] = ()
+    #: (index in ``plans``, bucket name) -> the variant that runs it.
+    length_variant_of: dict[tuple[int, str], str] = field(default_factory=dict)
+    #: A dynamic graph's re-solves for calls outside its planned lengths.
+    resolves: int = 0
+    #: Where the plans came from; ``planner.seq_range`` is what they hold for now.
+    planner: GraphPlanner | None = None
+
+    def ceiling_at(self, batch: int, seq_len: int) -> int | None:
+        """The memory ceiling the options set at this shape, in bytes (None: no trace at hand)."""
+        return self.planner.ceiling_at(batch, seq_len) if self.planner else None
 
     def predicted_saved_bytes(self, bucket: str) -> int:
         return self.plan.bucket(self.variant_of[bucket]).kept_bytes
@@ -68,10 +81,6 @@ class HiLoReBackend:
             return _compile_variant(gm, example_inputs, None)
         try:
             planner = GraphPlanner(gm, example_inputs, self.options)
-        except DynamicShapeError as error:
-            fall_back(self.options, error, "this dynamic graph")
-            return _compile_variant(gm, example_inputs, None)
-        try:
             return self._compile(planner, gm, example_inputs)
         except (PlanMismatchError, FormatError):
             raise  # a plan the user gave that does not fit: their input, their error
@@ -85,9 +94,9 @@ class HiLoReBackend:
     def _compile(self, planner: GraphPlanner, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         records: list[PartitionRecord] = []
-        first = PlanPartitioner(planner, None, records)
+        first = PlanPartitioner(planner, None, None, records)
         compiled_first = _compile_variant(gm, example_inputs, first)
-        plan = planner.plan
+        plan = first.plan_used
         if plan is None or first.bucket_used is None and records:
             # Nothing planned (no backward, nothing saved, or a fallback).
             compiled = CompiledGraph(None, {"inductor": compiled_first}, {}, records,
@@ -95,23 +104,13 @@ class HiLoReBackend:
             self.graphs.append(compiled)
             return compiled_first
         default = first.bucket_used or default_bucket(plan)
-        variants, variant_of, by_decisions = {default: compiled_first}, {}, {}
-        by_decisions[tuple(plan.bucket(default).decisions)] = default
-        for bucket in plan.buckets:
-            if bucket.skip:
-                continue
-            name, decisions = bucket.bucket.name, tuple(bucket.decisions)
-            if decisions not in by_decisions:
-                # Buckets with identical decisions share one compiled variant.
-                by_decisions[decisions] = name
-                variants[name] = _compile_variant(gm, example_inputs, PlanPartitioner(planner, name, records))
-            variant_of[name] = by_decisions[decisions]
-        for bucket in plan.buckets:
-            # The skip bucket (and any without a variant) runs the default's.
-            variant_of.setdefault(bucket.bucket.name, variant_of[default])
-        compiled = CompiledGraph(plan, variants, variant_of, records, time.perf_counter() - start, default)
+        compiled = CompiledGraph(plan, {default: compiled_first}, {}, records, 0.0, default, planner=planner)
+        table = VariantTable(compiled, gm, example_inputs, planner, records)
+        table.seed(plan, default, compiled_first)
+        table.compile_all()
+        compiled.compile_seconds = time.perf_counter() - start
         self.graphs.append(compiled)
-        return _dispatcher(compiled)
+        return table.dispatcher()
 
 
 def _is_dynamo_control_flow(error: Exception) -> bool:
@@ -125,28 +124,6 @@ def _has_partitioner_hook() -> bool:
     import torch._inductor.config as inductor_config
 
     return hasattr(inductor_config, "custom_partitioner_fn")
-
-
-def _compile_variant(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: PlanPartitioner | None):
-    from torch._inductor.compile_fx import compile_fx
-
-    patches = {} if partitioner is None else {"custom_partitioner_fn": partitioner}
-    # compile_fx may rewrite the graph it is given: each variant gets its own
-    # graph, over the very parameters and constants of ``gm`` (light_copy).
-    return compile_fx(light_copy(gm), list(example_inputs), config_patches=patches)
-
-
-def _dispatcher(compiled: CompiledGraph) -> Callable[..., Any]:
-    def run(*args: Any) -> Any:
-        bucket = current_bucket() or compiled.default_bucket
-        try:
-            source = compiled.variant_of[bucket]
-        except KeyError:
-            raise KeyError(
-                f"exposure bucket {bucket!r} is not in the plan; buckets: {list(compiled.variant_of)}"
-            ) from None
-        return compiled.variants[source](*args)
-    return run
 
 
 def hilore_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,

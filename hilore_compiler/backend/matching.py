@@ -10,6 +10,7 @@ for most of the units it shares was made for another model and is refused.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch.fx as fx
 
 from ..passes.annotate import UnitNodes, distinct_storage
 from ..passes.apply import PlanMismatchError
+from ..passes.sizes import size_hint
 from ..planfile import Plan
 
 _PREFIX = re.compile(r"^(g\d+/)")
@@ -60,16 +62,20 @@ def _split(key: str) -> tuple[str, str]:
 
 
 def unit_nbytes(unit: UnitNodes) -> int:
-    """Bytes of a unit's saved memory in this (static-shape) graph."""
+    """Bytes of a unit's saved memory in this graph (a dynamic graph's: at the compiled call's sizes)."""
     return nodes_nbytes(unit.saved)
 
 
 def nodes_nbytes(nodes: Iterable[fx.Node]) -> int:
-    """Bytes of the memory ``nodes`` hold, each storage once (static shapes)."""
+    """Bytes of the memory ``nodes`` hold, each storage once.
+
+    Symbolic sizes count at their hints, read without adding a shape guard
+    (``int()`` of a SymInt would specialise the graph to this size).
+    """
     total = 0
     for node in distinct_storage(nodes):
         val = node.meta["val"]
-        total += int(val.numel()) * val.element_size()
+        total += math.prod(size_hint(d) for d in val.shape) * val.element_size()
     return total
 
 

@@ -18,8 +18,10 @@ from ..validate import plan_problems, raise_problems
 class BackendOptions:
     """Options of ``torch.compile(..., backend="hilore", options={...})``."""
 
-    #: A plan (path or ``Plan``). None: trace, profile and solve on first compile.
-    plan: str | os.PathLike | Plan | None = None
+    #: A plan (path or ``Plan``), or a list of them, one per length bucket
+    #: (``hilore plan --seq-len LO:HI --length-buckets N``). None: trace,
+    #: profile and solve on first compile.
+    plan: str | os.PathLike | Plan | tuple[str | os.PathLike | Plan, ...] | None = None
     #: A trace (path) to re-solve from when the plan was made for another shape.
     trace: str | os.PathLike | None = None
     #: Activation memory budget: ``"1.10x-gc"``, ``"0.5x-store"`` or ``"6GiB"``.
@@ -47,6 +49,19 @@ class BackendOptions:
     #: GC's measured step peak in bytes: ``x-gc`` budgets are then multiples
     #: of it rather than of GC's predicted peak. None: the prediction.
     gc_peak_bytes: int | None = None
+    #: The longest sequence length the plans must hold at (the memory ceiling
+    #: is checked there). None: the longest seen; a dynamic graph meeting a
+    #: longer one re-solves its plans from the trace then (``solver/lengths``).
+    max_seq_len: int | None = None
+    #: The shortest sequence length plans are made for. None: the shortest seen.
+    min_seq_len: int | None = None
+    #: Sample sequence lengths of a typical run, over which a range plan's
+    #: recovery time is minimised. None: uniform over the range.
+    length_mix: tuple[int, ...] | None = None
+    #: A dynamic graph's range of lengths may be split into at most this many
+    #: length buckets, each with plans of its own, chosen per call like
+    #: exposure buckets; the solver splits only where it pays (``solver/lengths``).
+    length_buckets: int = 1
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> BackendOptions:
@@ -61,13 +76,32 @@ class BackendOptions:
             if not accepts(value):
                 raise ValueError(f"hilore backend option {name!r} must be {expected}, "
                                  f"got {type(value).__name__} {value!r}")
-        if isinstance(options.get("plan"), Plan):
-            raise_problems(plan_problems(options["plan"], "options['plan']"))
+        if isinstance(options.get("plan"), (list, tuple)):
+            options["plan"] = tuple(options["plan"])
+        for i, plan in enumerate(_as_tuple(options.get("plan"))):
+            if isinstance(plan, Plan):
+                raise_problems(plan_problems(plan, "options['plan']" + (f"[{i}]" if i else "")))
         if "codecs" in options:
             options["codecs"] = tuple(options["codecs"])
+        if options.get("length_mix") is not None:
+            options["length_mix"] = tuple(options["length_mix"])
+        lo, hi = options.get("min_seq_len"), options.get("max_seq_len")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"hilore backend options: min_seq_len {lo} is above max_seq_len {hi}")
         if "cache_dir" in options:
             options["cache_dir"] = os.fspath(options["cache_dir"])
         return cls(**options)
+
+
+def _as_tuple(value: Any) -> tuple:
+    """A plan option as a tuple of plans or paths (a list: length buckets)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _path(value: Any) -> bool:
@@ -80,7 +114,8 @@ def _number(value: Any) -> bool:
 
 #: Per option: a test of the value given, and what it should have been, for the error.
 _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "plan": (lambda v: v is None or isinstance(v, Plan) or _path(v), "a Plan, a path to a plan JSON, or None"),
+    "plan": (lambda v: v is None or all(isinstance(p, Plan) or _path(p) for p in _as_tuple(v)) and _as_tuple(v) != (),
+             "a Plan, a path to a plan JSON, a list of them (one per length bucket), or None"),
     "trace": (lambda v: v is None or _path(v), "a path to a trace JSON, or None"),
     "memory_budget": (lambda v: isinstance(v, str) and v.strip() != "",
                       'a string such as "1.10x-gc", "0.5x-store" or "6GiB"'),
@@ -94,6 +129,11 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "verbose": (lambda v: isinstance(v, bool), "True or False"),
     "strict": (lambda v: isinstance(v, bool), "True or False"),
     "loss_ratio": (_number, "a number >= 0 (the loss's peak over the graph outputs' bytes)"),
-    "gc_peak_bytes": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
-                      "a positive int (GC's measured peak in bytes) or None"),
+    "gc_peak_bytes": (lambda v: v is None or _positive_int(v), "a positive int (GC's measured peak in bytes) or None"),
+    "max_seq_len": (lambda v: v is None or _positive_int(v), "a positive int (tokens per sequence) or None"),
+    "min_seq_len": (lambda v: v is None or _positive_int(v), "a positive int (tokens per sequence) or None"),
+    "length_mix": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(map(_positive_int, v))),
+                   "a non-empty list of sequence lengths (positive ints), or None (uniform over the range)"),
+    "length_buckets": (_positive_int, "a positive int (the most length buckets of a dynamic graph)"),
 }
+

@@ -25,6 +25,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..passes.annotate import is_activation
 from ..passes.apply import apply_decisions, in_forward
 from ..passes.capture import saved_output_names
+from ..passes.sizes import size_hint
+from ..planfile import Plan
 
 from .matching import nodes_nbytes, unit_nbytes
 from .planning import GraphPlanner, code_digest
@@ -63,10 +65,15 @@ def graph_flops(gm: fx.GraphModule) -> int:
     """FLOPs of one run of ``gm``, from its nodes' shapes (nothing is run).
 
     Uses FlopCounterMode's formulas per op; an op replayed with its forward
-    RNG state (``run_with_rng_state``) counts as the op it wraps.
+    RNG state (``run_with_rng_state``) counts as the op it wraps. Symbolic
+    sizes count at their hints: the formulas see meta tensors of those sizes,
+    so no shape guard is added to a dynamic graph.
     """
     from torch.utils._pytree import tree_map_only
     from torch.utils.flop_counter import flop_registry
+
+    def at_hint(val: torch.Tensor) -> torch.Tensor:
+        return torch.empty([size_hint(d) for d in val.shape], dtype=val.dtype, device="meta")
 
     total = 0
     for node in gm.graph.nodes:
@@ -78,8 +85,9 @@ def graph_flops(gm: fx.GraphModule) -> int:
         formula = flop_registry.get(getattr(target, "overloadpacket", None))
         if formula is None:
             continue
-        vals, kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (args, node.kwargs))
-        out = node.meta["val"]
+        vals, kwargs, out = tree_map_only(torch.Tensor, at_hint, tree_map_only(
+            fx.Node, lambda n: n.meta["val"], (args, node.kwargs, node.meta["val"])))
+        vals, kwargs = tree_map_only(torch.SymInt, size_hint, (vals, kwargs))
         total += formula(*vals, **kwargs, out_val=out)
     return total
 
@@ -126,12 +134,14 @@ class PlanPartitioner(CustomPartitionerFn):
     """Min-cut partition of the joint graph after one bucket's decisions are applied.
 
     The decisions come from ``planner`` on the joint graph handed in: a
-    zero-config planner makes its plan here, on the first call. ``bucket``
-    None means the plan's default bucket; ``bucket_used`` says which it was.
+    zero-config planner makes its plans here, on the first call. ``plan``
+    None means the plan of the compiled call's length, ``bucket`` None its
+    default bucket; ``plan_used`` and ``bucket_used`` say which they were.
     """
 
-    def __init__(self, planner: GraphPlanner, bucket: str | None, records: list[PartitionRecord]):
-        self.planner, self.bucket, self.records = planner, bucket, records
+    def __init__(self, planner: GraphPlanner, plan: Plan | None, bucket: str | None, records: list[PartitionRecord]):
+        self.planner, self.plan, self.bucket, self.records = planner, plan, bucket, records
+        self.plan_used: Plan | None = plan
         self.bucket_used: str | None = bucket
         # Known before the compile: the cache may serve a graph partitioned
         # for exactly this plan and bucket. Unknown: never serve a cached one.
@@ -140,15 +150,16 @@ class PlanPartitioner(CustomPartitionerFn):
         # different options were served each other's graph): a fresh random
         # identity does.
         self._uuid = f"unplanned-{uuid_module.uuid4().hex}"
-        if planner.plan_known:
-            payload = json.dumps([planner.plan.fingerprint, planner.plan.to_json(), bucket, code_digest()],
+        known = plan or planner.plan
+        if known is not None:
+            payload = json.dumps([known.fingerprint, known.to_json(), bucket, code_digest()],
                                  sort_keys=True, default=str)
             self._uuid = hashlib.sha256(payload.encode()).hexdigest()
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()
-        units, decisions = self.planner.prepare(gm, joint_inputs, self.bucket, **kwargs)
-        self.bucket_used = decisions.bucket
+        units, decisions = self.planner.prepare(gm, joint_inputs, self.plan, self.bucket, **kwargs)
+        self.plan_used, self.bucket_used = self.plan or self.planner.plan, decisions.bucket
         record = PartitionRecord(bucket=decisions.bucket or "inductor", units=len(units),
                                  matched=len(decisions.decisions),
                                  default_saved_bytes=sum(map(unit_nbytes, units)))

@@ -40,30 +40,39 @@ class HiLoReWarning(UserWarning):
     """The backend fell back to Inductor's own choice for something it could not plan."""
 
 
-class DynamicShapeError(ValueError):
-    """Dynamo made the graph dynamic; plans are per static shape."""
+def is_dynamic(example_inputs: Sequence[Any]) -> bool:
+    """Whether dynamo made the graph dynamic: its symbolic sizes arrive as SymInt inputs."""
+    return any(isinstance(x, torch.SymInt) for x in example_inputs)
+
+
+def shape_slot(example_inputs: Sequence[Any]) -> int | None:
+    """Index of the input whose leading dims are the graph's (batch, sequence).
+
+    The first 2-D integer input (token ids) when there is one, else the first
+    non-parameter tensor input (hidden states of a per-block compile, images
+    of a CNN); None when there is no tensor input.
+    """
+    slots = [i for i, x in enumerate(example_inputs)
+             if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.dim() >= 1]
+    ids = [i for i in slots if example_inputs[i].dim() == 2 and not example_inputs[i].is_floating_point()]
+    return (ids or slots or [None])[0]
+
+
+def shape_at(args: Sequence[Any], slot: int | None) -> tuple[int, int]:
+    """(batch, sequence) of one call, read from input ``slot`` (``shape_slot``); (1, 1) without one."""
+    if slot is None:
+        return 1, 1
+    shape = args[slot].shape
+    return int(shape[0]), int(shape[1]) if len(shape) >= 2 else 1
 
 
 def graph_shape(example_inputs: Sequence[Any]) -> tuple[int, int]:
-    """(batch, sequence) of a graph: the plan's shape.
+    """(batch, sequence) of a graph: the plan's shape (``shape_slot``).
 
-    The first 2-D integer input (token ids) when there is one, else the first
-    two dims of the first non-parameter tensor input (hidden states of a
-    per-block compile, images of a CNN), else (1, 1). Refuses dynamic graphs.
+    For a dynamic graph these are the sizes of the call being compiled: its
+    costs are measured there, and its plans hold over a range of lengths.
     """
-    if any(isinstance(x, torch.SymInt) for x in example_inputs):
-        raise DynamicShapeError(
-            "hilore plans per static shape, but dynamo made this graph dynamic after seeing "
-            "a second shape: compile with torch.compile(model, backend='hilore', dynamic=False)"
-        )
-    inputs = [x for x in example_inputs if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)]
-    for x in inputs:
-        if x.dim() == 2 and not x.is_floating_point():
-            return int(x.shape[0]), int(x.shape[1])
-    for x in inputs:
-        if x.dim() >= 1:
-            return int(x.shape[0]), int(x.shape[1]) if x.dim() >= 2 else 1
-    return 1, 1
+    return shape_at(example_inputs, shape_slot(example_inputs))
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,7 +87,8 @@ def code_digest() -> str:
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
     planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets,
-                options.loss_ratio, options.gc_peak_bytes]
+                options.loss_ratio, options.gc_peak_bytes, options.max_seq_len, options.min_seq_len,
+                options.length_mix, options.length_buckets]
     return _key(gm, example_inputs, planning)
 
 
@@ -95,6 +105,11 @@ def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backen
 
 def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) -> str:
     shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
+    if is_dynamic(example_inputs):
+        # The symbolic shapes, and the call's sizes that costs are measured at.
+        symbolic = [str(getattr(n.meta.get("example_value"), "shape", n.meta.get("example_value")))
+                    for n in gm.graph.nodes if n.op == "placeholder"]
+        shapes = [symbolic, graph_shape(example_inputs)]
     text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), options],
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -102,12 +117,55 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) 
 
 def solve_for(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> Plan:
     """The plan the options ask for, solved from ``trace`` at (batch, seq_len)."""
-    from ..solver import DEFAULT_RISK_BUDGET, solve
+    return solve_lengths(trace, options, batch, (seq_len, seq_len))[0]
+
+
+def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
+    """The plans the options ask for over ``seq_range``: one per length bucket, shortest first.
+
+    One length gives one plan, solved exactly as a static graph's; a range
+    gives range plans (``solver.lengths``), split into at most
+    ``options.length_buckets`` where that pays.
+    """
+    from ..solver import DEFAULT_RISK_BUDGET
+    from ..solver.lengths import solve_length_buckets
 
     risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
-    return solve(trace, budget=options.memory_budget, risk_budget=risk, buckets=options.buckets,
-                 codecs=list(options.codecs), batch=batch, seq_len=seq_len, loss_ratio=options.loss_ratio,
-                 gc_peak_bytes=options.gc_peak_bytes)
+    return solve_length_buckets(trace, seq_range, options.memory_budget, max_buckets=options.length_buckets,
+                                length_mix=options.length_mix, risk_budget=risk, buckets=options.buckets,
+                                codecs=list(options.codecs), batch=batch, loss_ratio=options.loss_ratio,
+                                gc_peak_bytes=options.gc_peak_bytes)
+
+
+def ceiling_at(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> int:
+    """The memory ceiling ``options.memory_budget`` sets at one shape, in bytes
+    (an ``x-gc`` budget: GC's predicted peak at that shape times x)."""
+    from ..solver import cost_model, parse_budget
+
+    model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=[], loss_ratio=options.loss_ratio)
+    return parse_budget(options.memory_budget).bytes_at(gc_bytes=model.gc_bytes, store_bytes=model.store_bytes)
+
+
+def planned_range(options: BackendOptions, seq_len: int, seen: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The lengths a graph's plans hold over: the options' bounds where given, else those seen.
+
+    A call outside ``seen`` widens it to the next power of two beyond the
+    call's length (down to the one below it for a shorter call), so a run
+    whose lengths creep up re-solves about log2(range) times, not every step.
+    """
+    if seen is None:
+        lo = hi = seq_len
+    else:
+        lo, hi = seen
+        if seq_len > hi:
+            hi = 1 << (seq_len - 1).bit_length()
+        if seq_len < lo:
+            lo = 1 << (seq_len.bit_length() - 1)
+    if options.min_seq_len is not None:
+        lo = min(options.min_seq_len, seq_len)
+    if options.max_seq_len is not None:
+        hi = max(options.max_seq_len, seq_len)
+    return lo, max(lo, hi)
 
 
 def say(options: BackendOptions, message: str) -> None:
@@ -126,25 +184,44 @@ def fall_back(options: BackendOptions, error: Exception, what: str) -> None:
                   "(options={'strict': True} raises instead)", HiLoReWarning, stacklevel=3)
 
 
-def given_plan(options: BackendOptions, batch: int, seq_len: int) -> Plan:
-    """The user's plan, re-solved from ``options.trace`` if made for another shape."""
-    plan = options.plan if isinstance(options.plan, Plan) else load_plan(options.plan)
-    if (plan.batch, plan.seq_len) == (batch, seq_len):
-        return plan
+def given_plans(options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
+    """The user's plans (one per length bucket) when they hold over ``seq_range`` at ``batch``;
+    else re-solved from ``options.trace``."""
+    given = options.plan if isinstance(options.plan, tuple) else (options.plan,)
+    plans = tuple(sorted((p if isinstance(p, Plan) else load_plan(p) for p in given), key=lambda p: p.length_range))
+    if len({p.fingerprint for p in plans}) > 1:
+        raise PlanMismatchError("the length-bucket plans given were made for different models (fingerprints "
+                                f"{sorted({p.fingerprint for p in plans})}): give the plans of one trace")
+    lo, hi = seq_range
+    if all(p.batch == batch for p in plans) and _covered(plans, lo, hi):
+        return plans
+    where = f"sequence {hi}" if lo == hi else f"sequences {lo} to {hi}"
+    made = ", ".join("{}-{}".format(*p.length_range) for p in plans)
     if options.trace is None:
         raise PlanMismatchError(
-            f"the plan was made for batch {plan.batch}, sequence {plan.seq_len} but this graph "
-            f"runs batch {batch}, sequence {seq_len}: pass options={{'trace': TRACE}} to "
-            "re-solve it for this shape, or run `hilore plan TRACE --batch B --seq-len S`"
+            f"the plan was made for batch {plans[0].batch}, sequence lengths {made} but this graph runs batch "
+            f"{batch}, {where}: pass options={{'trace': TRACE}} to re-solve it for these shapes, or run "
+            "`hilore plan TRACE --batch B --seq-len S` (or --seq-len LO:HI for a range)"
         )
     trace = load_trace(options.trace)
-    if trace.fingerprint != plan.fingerprint:
+    if trace.fingerprint != plans[0].fingerprint:
         raise PlanMismatchError(
             f"trace {options.trace} (fingerprint {trace.fingerprint}) is not the plan's "
-            f"model (fingerprint {plan.fingerprint})"
+            f"model (fingerprint {plans[0].fingerprint})"
         )
-    say(options, f"re-solving the plan for batch {batch}, sequence {seq_len} from {options.trace}")
-    return solve_for(trace, options, batch, seq_len)
+    say(options, f"re-solving the plan for batch {batch}, {where} from {options.trace}")
+    return solve_lengths(trace, options, batch, seq_range)
+
+
+def _covered(plans: Sequence[Plan], lo: int, hi: int) -> bool:
+    """Whether the plans' length ranges (sorted) cover every length from ``lo`` to ``hi``."""
+    reached = lo - 1
+    for plan in plans:
+        start, end = plan.length_range
+        if start > reached + 1:
+            break
+        reached = max(reached, end)
+    return reached >= hi
 
 
 def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, seq_len: int, name: str) -> Trace:
@@ -167,47 +244,95 @@ def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Back
 class GraphPlanner:
     """Plans one dynamo graph; its partitioners ask it for each bucket's decisions.
 
-    The plan is known before the compile when it is given or cached;
-    otherwise the first partitioner call makes it on its joint graph. Every
-    later call (one per distinct bucket plan) re-derives the units from the
+    The plans are known before the compile when given or cached; otherwise
+    the first partitioner call makes them on its joint graph. A static graph
+    has one plan; a dynamic one has a plan per length bucket over the
+    lengths it was planned for (``seq_range``), and ``plans_for`` re-solves
+    them from the trace when a call falls outside. Every later partitioner
+    call (one per distinct bucket plan) re-derives the units from the
     default partition's saved values, learnt once per joint graph.
     """
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions):
         self.options = options
         self.real_args = lifted_args(gm, example_inputs)
-        self.batch, self.seq_len = graph_shape(example_inputs)
-        self.plan: Plan | None = None
+        self.dynamic = is_dynamic(example_inputs)
+        self.slot = shape_slot(example_inputs)
+        #: The compiled call's shape: costs are measured, and units matched, here.
+        self.batch, self.seq_len = shape_at(example_inputs, self.slot)
+        #: The batch and lengths the plans hold for.
+        self.planned_batch = self.batch
+        self.seq_range = planned_range(options, self.seq_len) if self.dynamic else (self.seq_len, self.seq_len)
+        self.plans: tuple[Plan, ...] = ()
         self.trace: Trace | None = None
         #: False once planning failed or found nothing: Inductor then decides.
         self.planning = True
         self.cache: PlanCache | None = None
         self._saved: dict[str, set[str]] = {}
         if options.plan is not None:
-            self.plan = given_plan(options, self.batch, self.seq_len)
+            self.plans = given_plans(options, self.batch, self.seq_range)
+            if self.dynamic:
+                # The plans hold over their own ranges, wider than the call's length.
+                self.seq_range = (self.plans[0].length_range[0], self.plans[-1].length_range[1])
         else:
             self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options,
                                         trace_key=trace_key(gm, example_inputs, options))
-            self.plan = self.cache.load_plan()
+            self.plans = self.cache.load_plans()
 
     @property
-    def plan_known(self) -> bool:
-        return self.plan is not None
+    def plan(self) -> Plan | None:
+        """The plan of the compiled call's length (the longest length bucket's when none holds it)."""
+        return self.plan_at(self.seq_len)
 
-    def prepare(self, joint: fx.GraphModule, joint_inputs: Sequence[object], bucket: str | None,
+    def plan_at(self, seq_len: int) -> Plan | None:
+        if not self.plans:
+            return None
+        return next((p for p in self.plans if p.covers(seq_len)), self.plans[-1])
+
+    def plans_for(self, batch: int, seq_len: int) -> bool:
+        """Re-solve the plans when a call's shape lies outside what they hold for; True if they changed.
+
+        Only a dynamic graph with its trace at hand (made here, cached, or
+        given) re-solves; the others keep their plans.
+        """
+        lo, hi = self.seq_range
+        if not self.dynamic or (batch <= self.planned_batch and lo <= seq_len <= hi) or not self._load_trace():
+            return False
+        self.planned_batch = max(batch, self.planned_batch)
+        self.seq_range = planned_range(self.options, seq_len, self.seq_range)
+        say(self.options, "re-solving for batch {} and sequences {} to {} from the trace".format(
+            self.planned_batch, *self.seq_range))
+        self.plans = solve_lengths(self.trace, self.options, self.planned_batch, self.seq_range)
+        return True
+
+    def ceiling_at(self, batch: int, seq_len: int) -> int | None:
+        """The memory ceiling at one shape (``ceiling_at``), or None without a trace."""
+        return ceiling_at(self.trace, self.options, batch, seq_len) if self._load_trace() else None
+
+    def _load_trace(self) -> bool:
+        """Whether the trace to re-solve from is at hand (made here, cached, or given)."""
+        if self.trace is None and self.cache is not None:
+            self.trace = self.cache.load_trace()
+        if self.trace is None and self.options.trace is not None:
+            self.trace = load_trace(self.options.trace)
+        return self.trace is not None
+
+    def prepare(self, joint: fx.GraphModule, joint_inputs: Sequence[object], plan: Plan | None, bucket: str | None,
                 **kwargs: Any) -> tuple[list[UnitNodes], GraphDecisions]:
-        """The units of ``joint`` and ``bucket``'s decisions for them (None: the default bucket)."""
+        """The units of ``joint`` and ``bucket``'s decisions in ``plan`` (None: the compiled
+        call's plan; bucket None: its default bucket)."""
         digest = hashlib.sha256(joint.code.encode()).hexdigest()
-        make_plan = self.plan is None and self.planning
+        make_plan = not self.plans and self.planning
         if make_plan or digest not in self._saved:
             capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan, **kwargs)
             self._saved[digest] = capture.saved_names
             if make_plan:
                 self._make_plan(capture)
         units = annotate_units(joint, self._saved[digest])
-        if self.plan is None:
+        plan = plan or self.plan
+        if plan is None:
             return units, GraphDecisions.none()
-        decisions = match_plan(self.plan, bucket, units, self.batch, self.seq_len)
+        decisions = match_plan(plan, bucket, units, self.batch, self.seq_len)
         if decisions.unknown or decisions.missing:
             fall_back(self.options, PlanMismatchError(decisions.mismatch_message()),
                       f"{len(decisions.missing)} unit(s) of this graph without a decision")
@@ -229,7 +354,7 @@ class GraphPlanner:
                 self.planning = False
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
-            self.plan = solve_for(self.trace, options, self.batch, self.seq_len)
+            self.plans = solve_lengths(self.trace, options, self.batch, self.seq_range)
         except Exception as error:  # planning never stops training: see fall_back
             if options.strict:
                 raise
@@ -237,7 +362,9 @@ class GraphPlanner:
             fall_back(options, RuntimeError(f"could not plan this graph ({type(error).__name__}: {error})"),
                       "every unit")
             return
-        where = self.cache.save_plan(self.plan) if self.cache else None
+        where = self.cache.save_plans(self.plans) if self.cache else None
+        lengths = "" if not self.dynamic else " for sequences {} to {}".format(*self.seq_range) + (
+            f" in {len(self.plans)} length buckets" if len(self.plans) > 1 else "")
         say(options, f"traced {len(self.trace.units)} recovery units and solved a {options.memory_budget} "
-                     f"plan with {len(self.plan.buckets)} buckets"
+                     f"plan with {len(self.plans[0].buckets)} buckets{lengths}"
                      + (f"; plan: {where} (inspect: hilore show)" if where else ""))

@@ -122,9 +122,12 @@ def compiled_step(
         checkpoint_chunks: False computes the chunks without checkpoint, so
             that the hilore backend plans each chunk's logits (store,
             compress or recompute) instead of always recomputing them.
-        dynamic: ``torch.compile``'s. The hilore backend plans static shapes
-            only: pass False where one process compiles steps of several
-            chunk sizes, or dynamo turns the chunk size into a symbol.
+        dynamic: ``torch.compile``'s. The hilore backend plans dynamic graphs
+            over the lengths they meet (unchunked steps of changing length
+            stay one graph); with ``chunk_tokens`` the number of chunks
+            follows the length, so dynamo compiles a graph per chunk count.
+            Pass False where one process compiles steps of several chunk
+            sizes, or dynamo turns the chunk size into a symbol.
 
     Returns:
         ``step(input_ids (B, T), old_logprobs (B, T-1), advantages (B,) or (B, T-1),

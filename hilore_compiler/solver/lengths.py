@@ -196,50 +196,55 @@ def solve_length_buckets(trace: Trace | str | os.PathLike, seq_range: tuple[int,
     Splits at grid lengths (``length_grid``) into at most ``max_buckets``
     parts, minimising the summed mixed recovery time plus
     ``LENGTH_BUCKET_PRICE`` x the one-plan's time per extra bucket; one plan
-    when no split pays. ``kwargs`` as in ``solve_range``.
+    when no split pays. Splits are priced on the exposure-blind problem (one
+    exposure bucket: a third of the ILP, and the same trade between lengths),
+    then the chosen length buckets are solved in full. ``kwargs`` as in ``solve_range``.
     """
     say = progress or (lambda _msg: None)
     lo, hi = seq_range
     grid = length_grid(lo, hi)
-    weights = length_weights(grid, length_mix)
-    whole = solve_range(trace, seq_range, budget, length_mix=length_mix, **kwargs)
-    if max_buckets <= 1 or len(grid) < 2:
-        return (whole,)
+    if max_buckets <= 1 or len(grid) < 3:
+        return (solve_range(trace, seq_range, budget, length_mix=length_mix, progress=progress, **kwargs),)
     if isinstance(trace, (str, os.PathLike)):
         from ..tracefile import load_trace
 
         trace = load_trace(trace)
-    plans: dict[tuple[int, int], Plan | None] = {(0, len(grid) - 1): whole}
+    weights = length_weights(grid, length_mix)
+    pricing = {**kwargs, "buckets": [("b0", 0.0, math.inf, 1.0)]}
+    priced: dict[tuple[int, int], Plan | None] = {}
 
-    def part(i: int, j: int) -> tuple[float, Plan | None]:
-        """The plan for grid lengths i..j (from just above grid[i-1]) and its weighted time."""
-        if (i, j) not in plans:
-            start = lo if i == 0 else grid[i - 1] + 1
-            sub_mix = [n for n in length_mix if start <= n <= grid[j]] if length_mix else None
+    def sub_range(i: int, j: int) -> tuple[tuple[int, int], Sequence[int] | None]:
+        start = lo if i == 0 else grid[i - 1] + 1
+        return (start, grid[j]), [n for n in length_mix if start <= n <= grid[j]] if length_mix else None
+
+    def cost(i: int, j: int) -> float:
+        """Weighted mixed recovery time of the blind plan for grid lengths i..j (from just above grid[i-1])."""
+        if (i, j) not in priced:
+            lengths, mix = sub_range(i, j)
             try:
-                plans[i, j] = solve_range(trace, (start, grid[j]), budget, length_mix=sub_mix,
-                                          grid_points=j - i + 2, **kwargs)
+                priced[i, j] = solve_range(trace, lengths, budget, length_mix=mix, grid_points=j - i + 2, **pricing)
             except InfeasibleBudgetError:
-                plans[i, j] = None
-        plan = plans[i, j]
-        return (math.inf, None) if plan is None else (sum(weights[i:j + 1]) * mixed_time_s(plan), plan)
+                priced[i, j] = None
+        plan = priced[i, j]
+        return math.inf if plan is None else sum(weights[i:j + 1]) * mixed_time_s(plan)
 
-    price = LENGTH_BUCKET_PRICE * mixed_time_s(whole)
+    one = cost(0, len(grid) - 1)
     # best[j][k]: least cost of covering grid lengths 0..j with k buckets, and the split.
     best: list[dict[int, tuple[float, list[tuple[int, int]]]]] = [dict() for _ in grid]
     for j in range(len(grid)):
-        best[j][1] = (part(0, j)[0], [(0, j)])
+        best[j][1] = (cost(0, j), [(0, j)])
         for k in range(2, max_buckets + 1):
-            options = [(best[i - 1][k - 1][0] + part(i, j)[0], best[i - 1][k - 1][1] + [(i, j)])
+            options = [(best[i - 1][k - 1][0] + cost(i, j), best[i - 1][k - 1][1] + [(i, j)])
                        for i in range(1, j + 1) if k - 1 in best[i - 1]]
             if options:
                 best[j][k] = min(options, key=lambda o: o[0])
-    cost, split = min(((c + price * (k - 1), s) for k, (c, s) in best[-1].items()), key=lambda o: o[0])
-    chosen = tuple(plans[i, j] for i, j in split)
-    say(f"length buckets over {lo}:{hi}: {[p.length_range for p in chosen]} "
-        f"(mixed recovery {cost * 1e3:.2f} ms with the price of each extra bucket; one plan "
-        f"{mixed_time_s(whole) * 1e3:.2f} ms)")
-    return chosen
+    price = LENGTH_BUCKET_PRICE * one
+    total, split = min(((c + price * (k - 1), s) for k, (c, s) in best[-1].items()), key=lambda o: o[0])
+    say(f"length buckets over {lo}:{hi}: {[sub_range(i, j)[0] for i, j in split]} (blind mixed recovery "
+        f"{total * 1e3:.2f} ms with {LENGTH_BUCKET_PRICE:.0%} of one plan's {one * 1e3:.2f} ms per extra bucket)")
+    return tuple(solve_range(trace, lengths, budget, length_mix=mix, progress=progress,
+                             grid_points=GRID_POINTS if len(split) == 1 else j - i + 2, **kwargs)
+                 for (i, j), (lengths, mix) in ((ij, sub_range(*ij)) for ij in split))
 
 
 def plan_for_length(plans: Sequence[Plan], seq_len: int) -> Plan | None:

@@ -65,6 +65,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "uniform int8, HiLoRe exposure-blind, with buckets, and GC, blind and buckets "
                         "with the zero skip (bench/actor.py); "
                         "--model, --seq-len, --repeats, --threads, --hilore-budget, --methods apply")
+    p.add_argument("--lengths", type=length_list,
+                   help="run the step at each of these sequence lengths (comma-separated, e.g. "
+                        "256,512,1024,2048): GC, store-all and HiLoRe with one plan over the range, with length "
+                        "buckets and static per length, in one run (bench/lengths.py); --model, --batch, "
+                        "--repeats, --steps-per-round, --hilore-budget, --codecs, --threads, --seed apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
     p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
     p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
@@ -85,6 +90,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def codec_list(text: str) -> tuple[str, ...]:
     """``--codecs``: comma-separated names; ``none`` for no codec at all."""
     return () if text.strip().lower() == "none" else comma_list(text)
+
+
+def length_list(text: str) -> tuple[int, ...]:
+    """``--lengths``: two or more comma-separated sequence lengths."""
+    try:
+        lengths = tuple(int(c) for c in comma_list(text))
+    except ValueError:
+        lengths = ()
+    if len(lengths) < 2 or min(lengths) < 2:
+        raise argparse.ArgumentTypeError(f"--lengths takes two or more lengths like 256,512,1024,2048, not {text!r}")
+    return lengths
 
 
 def chunk_list(text: str) -> tuple[int, ...]:
@@ -138,6 +154,29 @@ def run_actor(args: argparse.Namespace) -> int:
     return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
 
 
+def run_lengths(args: argparse.Namespace) -> int:
+    """``--lengths``: run, print the tables, save the JSON."""
+    from ..bench.lengths import LengthsBenchConfig, render_lengths, run_lengths_bench
+    from ..jsonio import write_json_atomic
+
+    values: dict = {"model": "tiny", "repeats": 3} if args.quick else {}
+    names = {"model": "model", "batch": "batch", "repeats": "repeats", "steps_per_round": "steps_per_round",
+             "hilore_budget": "hilore_budget", "seed": "seed", "threads": "threads", "cache_dir": "cache_dir"}
+    values.update({field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None})
+    if args.methods:
+        values["methods"] = comma_list(args.methods)
+    if args.codecs:
+        values["hilore_codecs"] = codec_list(args.codecs)
+    config = LengthsBenchConfig(lengths=args.lengths, **values)
+    name = f"lengths-{config.model}-T{'-'.join(map(str, config.lengths))}.json"
+    output = Path(args.output or RESULTS_DIR / name)
+    result = run_lengths_bench(config, _progress)
+    result["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(render_lengths(result))
+    print(f"results: {write_json_atomic(output, result)}")
+    return 1 if any(m["status"] != "ok" for m in result["methods"].values()) else 0
+
+
 def config_from_args(args: argparse.Namespace):
     """BenchConfig from the defaults, then ``--quick``'s preset, then explicit options."""
     from ..bench.runner import BenchConfig, QUICK
@@ -169,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args)
     if args.actor_update:
         return run_actor(args)
+    if args.lengths:
+        return run_lengths(args)
     config = config_from_args(args)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")
     result = run_bench(config, _progress)

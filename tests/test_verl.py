@@ -80,7 +80,8 @@ def save_tiny_qwen2(path: str) -> None:
     Qwen2ForCausalLM(config).save_pretrained(path)
 
 
-def build_engine(path: str, hilore: dict | None, initialize: bool = True, **model_fields):
+def build_engine(path: str, hilore: dict | None, initialize: bool = True, skip_zero: bool = True,
+                 **model_fields):
     """verl's engine (``hilore=None``) or the hilore one, built directly as verl's worker builds it."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -97,7 +98,8 @@ def build_engine(path: str, hilore: dict | None, initialize: bool = True, **mode
     if hilore is None:
         cls, engine_config = FSDPEngineWithLMHead, FSDPEngineConfig(**common)
     else:
-        cls, engine_config = HiLoReFSDPEngine, HiLoReFSDPEngineConfig(**common, hilore=hilore)
+        engine_config = HiLoReFSDPEngineConfig(**common, hilore=hilore, hilore_skip_zero=skip_zero)
+        cls = HiLoReFSDPEngine
     optim = FSDPOptimizerConfig(optimizer="SGD", lr=LR, weight_decay=0.0, clip_grad=1e9)
     engine = cls(model_config=model, engine_config=engine_config, optimizer_config=optim,
                  checkpoint_config=CheckpointConfig())
@@ -137,8 +139,8 @@ def full_parameters(engine) -> dict:
     return {n: p.full_tensor().detach().numpy().copy() for n, p in engine.module.named_parameters()}
 
 
-def run_engine(engine, rank: int) -> dict:
-    """STEPS updates (old log-probs forward_only, then train_batch); parameters and what was seen."""
+def run_engine(engine, rank: int, steps: int = STEPS) -> dict:
+    """``steps`` updates (old log-probs forward_only, then train_batch); parameters and what was seen."""
     import verl.utils.tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
@@ -148,7 +150,7 @@ def run_engine(engine, rank: int) -> dict:
                         use_dynamic_bsz=False, rollout_n=GROUP)
     loss = functools.partial(ppo_loss, config=actor)
     out = {"times": [], "graphs": [], "frames": []}
-    for step in range(STEPS):
+    for step in range(steps):
         data = rank_batch(rank, step)
         tu.assign_non_tensor(data, use_remove_padding=True, use_dynamic_bsz=False,
                              micro_batch_size_per_gpu=GROUP, global_batch_size=2 * B_RANK, temperature=1.0)
@@ -184,7 +186,12 @@ def refusals(path: str, hilore: dict) -> dict:
             "checkpointing_left_on": bool(engine.module.is_gradient_checkpointing)}
 
 
-def rank_main(rank: int, world: int, path: str) -> dict:
+#: The hilore options of these runs: exact plans, one nonzero bucket (one compile).
+HILORE = {"codecs": [], "buckets": 1, "verbose": False}
+
+
+def rank_main(rank: int, world: int, path: str, steps: int = STEPS, timing: bool = False) -> dict:
+    """verl's engine, then hilore's, ``steps`` updates each; ``timing``: also hilore without the skip."""
     from verl.plugin.platform import set_platform
 
     set_platform(cpu_platform())
@@ -192,10 +199,11 @@ def rank_main(rank: int, world: int, path: str) -> dict:
 
     torch.manual_seed(0)
     start = full_parameters(build_engine(path, None))
-    ref = run_engine(build_engine(path, None), rank)
-    hilore = {"codecs": [], "buckets": 1, "verbose": False}
-    sub = run_engine(build_engine(path, hilore), rank)
-    return {"start": start, "ref": ref, "sub": sub, **refusals(path, hilore)}
+    ref = run_engine(build_engine(path, None), rank, steps)
+    sub = run_engine(build_engine(path, HILORE), rank, steps)
+    if timing:
+        return {"ref": ref, "sub": sub, "no_skip": run_engine(build_engine(path, HILORE, skip_zero=False), rank, steps)}
+    return {"start": start, "ref": ref, "sub": sub, **refusals(path, HILORE)}
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +332,23 @@ def test_exposure_is_zero_exactly_where_advantages_are():
                              {"dp_size": 2, "batch_num_tokens": 12, "global_batch_size": 6})
     # token-mean: |A| per token / (global tokens / dp) = |A| / 6
     assert x.tolist() == pytest.approx([0.0, 1.5 / 6, 2.0 / 6])
+
+
+if __name__ == "__main__":
+    # Step times of verl's engine alone and with hilore (median of the steps
+    # after the first, which compiles), each rank's bucket histogram:
+    #   PYTHONPATH=$PWD python tests/test_verl.py 8
+    import statistics
+    import sys
+    import tempfile
+
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    with tempfile.TemporaryDirectory() as tmp:
+        save_tiny_qwen2(tmp)
+        results = spawn(rank_main, 2, tmp, steps, True, backend="gloo", timeout_s=1800)
+    for rank, r in enumerate(results):
+        times = {k: statistics.median(r[k]["times"][1:]) for k in ("ref", "sub", "no_skip")}
+        print(f"rank {rank}: median step s: verl {times['ref']:.3f}, hilore {times['sub']:.3f} "
+              f"(x{times['ref'] / times['sub']:.2f}), hilore without the zero skip {times['no_skip']:.3f} "
+              f"(x{times['ref'] / times['no_skip']:.2f}); first hilore step {r['sub']['times'][0]:.1f} s; "
+              f"buckets per step {r['sub']['history']}")

@@ -98,6 +98,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             self._refuse_what_hilore_cannot_run()
             # Parsed once here, so a wrong option fails before the model is built.
             self._bucket_order = bucket_names(BackendOptions.from_mapping(self.hilore_options).buckets)
+            self._packed_lengths: set[int] = set()  # one static block graph each (DYNAMIC_SHAPES)
 
     def _refuse_what_hilore_cannot_run(self) -> None:
         cfg, model = self.engine_config, self.model_config
@@ -146,8 +147,10 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         import verl.utils.tensordict_utils as tu
 
         micro_batches, indices = self._micro_batches(data)
-        buckets = self._microbatch_buckets(micro_batches, data, _loss_agg_mode(loss_function))
+        self._note_packed_lengths(micro_batches)
+        samples = self._sample_buckets(micro_batches, data, _loss_agg_mode(loss_function))
         names = self._bucket_order
+        buckets = [microbatch_bucket(s, names) for s in samples]
         returns_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         schedule = schedule_slots(
             buckets, names, sort=self.engine_config.hilore_exposure_order,
@@ -164,8 +167,30 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 if not returns_outputs:
                     meta.pop("model_output", None)
             outputs[i] = meta
-        self._record(buckets, names, schedule, micro_batches)
+        self._record(samples, schedule)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def _note_packed_lengths(self, micro_batches: list[Any]) -> None:
+        """Warn once when the padded packed lengths outnumber the graphs dynamo keeps per code object.
+
+        Every block runs the same ``forward`` code, compiled once per length;
+        past ``recompile_limit`` lengths dynamo runs the blocks eagerly, unplanned.
+        """
+        import torch._dynamo.config as dynamo_config
+
+        if DYNAMIC_SHAPES:
+            return
+        before = len(self._packed_lengths)
+        for mb in micro_batches:
+            n = int(mb["input_ids"].offsets()[-1]) if mb["input_ids"].is_nested else mb["input_ids"].numel()
+            self._packed_lengths.add(n + self._get_packed_pad_size(n))
+        limit = dynamo_config.recompile_limit
+        if before <= limit < len(self._packed_lengths):
+            warnings.warn(
+                f"hilore: micro-batches have packed into {len(self._packed_lengths)} padded lengths, one static "
+                f"block graph each, but torch._dynamo.config.recompile_limit is {limit}: blocks at further "
+                "lengths run eagerly, unplanned. Raise actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
+                "(fewer lengths) or torch._dynamo.config.recompile_limit.", stacklevel=3)
 
     def _micro_batches(self, data: Any) -> tuple[list[Any], Any]:
         """verl's own preparation: global token count, dp size, then its micro-batches."""
@@ -178,8 +203,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
         return prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
 
-    def _microbatch_buckets(self, micro_batches: list[Any], data: Any, loss_agg_mode: str) -> list[str]:
-        """Each micro-batch's bucket: that of its most exposed sample, in the plan's units."""
+    def _sample_buckets(self, micro_batches: list[Any], data: Any, loss_agg_mode: str) -> list[list[str]]:
+        """Per micro-batch, the bucket of each of its samples, in the plan's units."""
         exposures = [microbatch_exposures(mb, data, loss_agg_mode) for mb in micro_batches]
         local = torch.cat(exposures)  # (B_rank,)
         plan = next((g.plan for b in self.hilore_backends for g in b.graphs if g.plan is not None), None)
@@ -187,13 +212,14 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             edges = plan_buckets(plan, int(local.numel()))
         else:  # before the first compile: this batch's quantiles, with the plan's bucket names
             edges = exposure_buckets(local, len(self._bucket_order) - 1)
-        return [microbatch_bucket(edges.assign(x), edges.names) for x in exposures]
+        return [edges.assign(x) for x in exposures]
 
-    def _record(self, buckets: list[str], names: tuple[str, ...], schedule: SlotSchedule,
-                micro_batches: list[Any]) -> None:
-        counts = {name: 0 for name in names}
-        for bucket, mb in zip(buckets, micro_batches):
-            counts[bucket] += len(mb)
+    def _record(self, samples: list[list[str]], schedule: SlotSchedule) -> None:
+        """This update's samples per bucket and micro-batches skipped on this rank."""
+        counts = {name: 0 for name in self._bucket_order}
+        for names in samples:
+            for name in names:
+                counts[name] += 1
         self.bucket_history.append({**counts, "skipped_microbatches": len(schedule.skipped)})
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 
 import pytest
 import torch
@@ -179,8 +180,6 @@ def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None =
 
 def refusals(path: str, hilore: dict) -> dict:
     """What the hilore engine says about gradient checkpointing and activation offload."""
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = build_engine(path, hilore, enable_gradient_checkpointing=True)
@@ -363,3 +362,27 @@ if __name__ == "__main__":
               f"(x{times['ref'] / times['sub']:.2f}), hilore without the zero skip {times['no_skip']:.3f} "
               f"(x{times['ref'] / times['no_skip']:.2f}); first hilore step {r['sub']['times'][0]:.1f} s; "
               f"buckets per step {r['sub']['history']}")
+
+
+def test_warns_once_when_packed_lengths_pass_dynamos_recompile_limit(monkeypatch):
+    import torch._dynamo.config as dynamo_config
+
+    from hilore_compiler.integrations.verl import HiLoReFSDPEngine
+
+    engine = HiLoReFSDPEngine.__new__(HiLoReFSDPEngine)  # only what the check reads: no process group
+    engine.pad_to_length, engine.pad_to_length_bucket, engine._packed_lengths = True, 8, set()
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
+
+    def micro_batches(*tokens):  # packed micro-batches of one sequence each, ``tokens`` long
+        return [{"input_ids": torch.nested.nested_tensor([torch.ones(n, dtype=torch.long)], layout=torch.jagged)}
+                for n in tokens]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine._note_packed_lengths(micro_batches(3, 7, 12))  # padded to 8, 8, 16: two lengths
+    with pytest.warns(UserWarning, match="recompile_limit is 2"):
+        engine._note_packed_lengths(micro_batches(20))  # 24: a third
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine._note_packed_lengths(micro_batches(30))  # said once
+    assert engine._packed_lengths == {8, 16, 24, 32}

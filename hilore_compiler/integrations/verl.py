@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 

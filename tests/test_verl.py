@@ -85,8 +85,12 @@ def save_tiny_qwen2(path: str) -> None:
 
 
 def build_engine(path: str, hilore: dict | None, initialize: bool = True, skip_zero: bool = True,
-                 **model_fields):
-    """verl's engine (``hilore=None``) or the hilore one, built directly as verl's worker builds it."""
+                 registered: bool = False, **model_fields):
+    """verl's engine (``hilore=None``) or the hilore one, built directly as verl's worker builds it.
+
+    ``registered``: the class the registry now holds (``HiLoReFSDPEngine``) even without hilore,
+    as the reference model gets it.
+    """
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -100,7 +104,8 @@ def build_engine(path: str, hilore: dict | None, initialize: bool = True, skip_z
                   micro_batch_size_per_gpu=GROUP, pad_to_length=True, pad_to_length_bucket=PAD_BUCKET,
                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
     if hilore is None:
-        cls, engine_config = FSDPEngineWithLMHead, FSDPEngineConfig(**common)
+        cls = HiLoReFSDPEngine if registered else FSDPEngineWithLMHead
+        engine_config = FSDPEngineConfig(**common)
     else:
         engine_config = HiLoReFSDPEngineConfig(**common, hilore=hilore, hilore_skip_zero=skip_zero)
         cls = HiLoReFSDPEngine
@@ -212,7 +217,8 @@ def rank_main(rank: int, world: int, path: str, steps: int = STEPS, timing: bool
     if timing:
         no_skip = run_engine(build_engine(path, HILORE, skip_zero=False), rank, steps, None)
         return {"ref": ref, "sub": sub, "no_skip": no_skip}
-    return {"start": start, "ref": ref, "sub": sub, **refusals(path, HILORE)}
+    plain = run_engine(build_engine(path, None, registered=True), rank, steps, dynamic_from)
+    return {"start": start, "ref": ref, "sub": sub, "plain": plain, **refusals(path, HILORE)}
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +247,13 @@ def test_three_steps_match_verls_engine_with_exact_plans(ranks):
         print(f"parameters, relative L2 after {STEPS} steps: {rel:.2e}")
         assert rel < 1e-5
         assert ((sub - ref).norm() / (ref - p0).norm()).item() < 1e-3  # the updates, not just the weights
+
+
+@pytest.mark.slow
+def test_without_a_hilore_field_the_registered_engine_is_verls(ranks):
+    for r in ranks:  # the reference model's case: bit for bit what verl's engine does
+        assert all((r["plain"]["params"][n] == r["ref"]["params"][n]).all() for n in r["ref"]["params"])
+        assert r["plain"]["graphs"] == [0] * STEPS and r["plain"]["history"] == []
 
 
 @pytest.mark.slow

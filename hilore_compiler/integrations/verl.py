@@ -48,7 +48,6 @@ from verl.workers.utils.losses import ppo_loss
 from ..backend import BackendOptions, HiLoReBackend, exposure
 from ..distributed.blocks import compile_blocks
 from ..grpo import GRPOLossConfig, exposure_before_forward, exposure_buckets, plan_buckets
-from ..vocabulary import bucket_names
 from .slots import SlotSchedule, microbatch_bucket, schedule_slots
 
 #: Blocks are compiled with static shapes: one graph and one plan per packed
@@ -96,7 +95,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.hilore_options is not None:
             self._refuse_what_hilore_cannot_run()
             # Parsed once here, so a wrong option fails before the model is built.
-            self._bucket_order = bucket_names(BackendOptions.from_mapping(self.hilore_options).buckets)
+            self._n_buckets = BackendOptions.from_mapping(self.hilore_options).buckets
             self._packed_lengths: set[int] = set()  # one static block graph each (DYNAMIC_SHAPES)
 
     def _refuse_what_hilore_cannot_run(self) -> None:
@@ -147,8 +146,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
 
         micro_batches, indices = self._micro_batches(data)
         self._note_packed_lengths(micro_batches)
-        samples = self._sample_buckets(micro_batches, data, _loss_agg_mode(loss_function))
-        names = self._bucket_order
+        samples, names = self._sample_buckets(micro_batches, data, _loss_agg_mode(loss_function))
         buckets = [microbatch_bucket(s, names) for s in samples]
         returns_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         schedule = schedule_slots(
@@ -166,7 +164,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 if not returns_outputs:
                     meta.pop("model_output", None)
             outputs[i] = meta
-        self._record(samples, schedule)
+        self._record(samples, names, schedule)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def _note_packed_lengths(self, micro_batches: list[Any]) -> None:
@@ -202,22 +200,23 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
         return prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
 
-    def _sample_buckets(self, micro_batches: list[Any], data: Any, loss_agg_mode: str) -> list[list[str]]:
-        """Per micro-batch, the bucket of each of its samples, in the plan's units."""
+    def _sample_buckets(self, micro_batches: list[Any], data: Any,
+                        loss_agg_mode: str) -> tuple[list[list[str]], tuple[str, ...]]:
+        """Per micro-batch, the bucket of each of its samples (in the plan's units); the bucket names."""
         exposures = [microbatch_exposures(mb, data, loss_agg_mode) for mb in micro_batches]
         local = torch.cat(exposures)  # (B_rank,)
         plan = next((g.plan for b in self.hilore_backends for g in b.graphs if g.plan is not None), None)
         if plan is not None:
             edges = plan_buckets(plan, int(local.numel()))
         else:  # before the first compile: this batch's quantiles, with the plan's bucket names
-            edges = exposure_buckets(local, len(self._bucket_order) - 1)
-        return [edges.assign(x) for x in exposures]
+            edges = exposure_buckets(local, self._n_buckets)
+        return [edges.assign(x) for x in exposures], edges.names
 
-    def _record(self, samples: list[list[str]], schedule: SlotSchedule) -> None:
+    def _record(self, samples: list[list[str]], names: tuple[str, ...], schedule: SlotSchedule) -> None:
         """This update's samples per bucket and micro-batches skipped on this rank."""
-        counts = {name: 0 for name in self._bucket_order}
-        for names in samples:
-            for name in names:
+        counts = {name: 0 for name in names}
+        for per_sample in samples:
+            for name in per_sample:
                 counts[name] += 1
         self.bucket_history.append({**counts, "skipped_microbatches": len(schedule.skipped)})
 

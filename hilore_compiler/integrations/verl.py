@@ -107,6 +107,10 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError("enable_activation_offload moves the activations hilore plans to CPU behind its "
                              "back: set actor_rollout_ref.model.enable_activation_offload=False, and give hilore "
                              "a memory budget instead")
+        if self.ulysses_sequence_parallel_size > 1:
+            raise ValueError("the hilore engine does not support Ulysses sequence parallelism yet: its all-to-all "
+                             "runs inside the attention of each compiled block; set "
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
         if not self.use_remove_padding:
             raise ValueError("the hilore engine plans packed micro-batches: set "
                              "actor_rollout_ref.model.use_remove_padding=True")
@@ -160,7 +164,10 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             with self._gradient_sync_context(is_last_micro_batch=last), exposure(buckets[i]), \
                     torch.profiler.record_function(f"micro_batch{i}"):
                 loss, meta = self.forward_step(micro_batches[i], loss_function=loss_function, forward_only=False)
-                self.scaler.scale(loss).backward() if self.scaler is not None else loss.backward()
+                if self.scaler is not None:  # fp16 parameters: verl's loss scaling
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
                 if not returns_outputs:
                     meta.pop("model_output", None)
             outputs[i] = meta
@@ -228,8 +235,9 @@ def _require_static_lengths(cfg: Any) -> None:
     raise ValueError(
         "the hilore engine compiles one static plan per packed micro-batch length, and without padding "
         "every micro-batch has a new length (a recompile each): set "
-        "actor_rollout_ref.actor.fsdp_config.pad_to_length=True and pad_to_length_bucket to a few hundred "
-        "tokens (or to max_token_len_per_gpu with use_dynamic_bsz, one shape for every micro-batch)")
+        "actor_rollout_ref.actor.pad_to_length=True and actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
+        "to a few hundred tokens (or to max_token_len_per_gpu with use_dynamic_bsz: one shape for every "
+        "micro-batch)")
 
 
 def skip_is_exact(loss_function: Callable | None) -> bool:

@@ -120,7 +120,8 @@ def _check_recompile_limit(graphs: int) -> None:
 
 
 def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *,
-                   backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True) -> list[Any]:
+                   backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True,
+                   in_place: bool = False) -> list[Any]:
     """Compile every decoder block of ``model`` on its own, in place; returns each block's backend.
 
     Each ``model.layers[i]`` is replaced by ``torch.compile(block, ...)``, as
@@ -133,6 +134,12 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *
     (``.graphs``). Another backend name is passed to ``torch.compile`` with
     ``options``. Under ``runtime.exposure(bucket)`` every block runs that
     bucket's variant.
+
+    ``in_place=True`` calls ``block.compile(...)`` instead of wrapping: the
+    block keeps its class and its state-dict keys, which frameworks that pick
+    the blocks to shard by class name (verl's ``apply_fsdp2``) need; FSDP2's
+    hooks then run eagerly around the compiled call, as they do around a
+    wrapper.
     """
     blocks = decoder_blocks(model)
     options = dict(options or {})
@@ -149,8 +156,11 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *
     for i, block in enumerate(blocks):
         # Blocks sharing a compiler object share dynamo's cache entry for their
         # common forward code: identical blocks reuse one graph.
-        blocks[i] = torch.compile(block, backend=compilers[i], dynamic=dynamic, fullgraph=fullgraph,
-                                  **kwargs)
+        if in_place:
+            block.compile(backend=compilers[i], dynamic=dynamic, fullgraph=fullgraph, **kwargs)
+        else:
+            blocks[i] = torch.compile(block, backend=compilers[i], dynamic=dynamic, fullgraph=fullgraph,
+                                      **kwargs)
     return compilers
 
 

@@ -66,7 +66,8 @@ class HiLoReGRPOTrainer(GRPOTrainer):
     - ``hilore_options``: the backend's options (``codecs``, ``buckets``,
       ``memory_budget``, ``plan``, ...), as ``torch.compile(options=...)``.
     - ``exposure_order``: group samples by bucket inside one optimizer step
-      instead of shuffling (True). Applied only where exact: ``grpo``, ``dapo``
+      instead of keeping TRL's shuffled order (True; TRL's shuffle still runs
+      first, so the random stream is TRL's). Applied only where exact: ``grpo``, ``dapo``
       and ``dr_grpo`` with ``steps_per_generation == gradient_accumulation_steps``.
       For ``bnpo`` it is applied with a warning (see ``_choose_order``).
     - ``skip_zero``: skip microbatches whose samples all have zero exposure,
@@ -159,8 +160,11 @@ class HiLoReGRPOTrainer(GRPOTrainer):
         if any(batch.get(k) is not None for k in _MULTIMODAL_KEYS):
             raise NotImplementedError("HiLoReGRPOTrainer supports text-only models for now")
         batch = pad_batch(batch, self._pad_token_id(), self.pad_to_multiple_of)
-        if not self.exposure_order:
-            batch = shuffle_sequence_dict(batch)  # TRL's own shuffle, same random stream
+        # TRL's own shuffle, always: it draws from the global random stream, and
+        # skipping it would make every later generation sample other completions
+        # than TRL's from the same seed, so a run and its GRPOTrainer control
+        # would part. The exposure order below is a stable sort of the shuffled rows.
+        batch = shuffle_sequence_dict(batch)
         n = self.args.steps_per_generation
         exposures = self._exposures(batch)  # (B,)
         buckets = self._buckets(batch, exposures)

@@ -1,0 +1,329 @@
+"""verl's FSDP2 engine with the actor's decoder blocks compiled by the hilore backend.
+
+verl (0.9) runs the actor update in ``FSDPEngine.forward_backward_batch``
+(``verl/workers/engine/fsdp/transformer_impl.py``) and builds the engine named
+by ``EngineRegistry`` for the model type and ``strategy``. Importing this module
+(verl does it for ``actor_rollout_ref.model.external_lib=
+hilore_compiler.integrations.verl``) registers ``HiLoReFSDPEngine`` in place of
+``FSDPEngineWithLMHead``; it acts only where the engine config is a
+``HiLoReFSDPEngineConfig`` with a ``hilore`` field (verl's ``_target_``
+override), so the reference model and the critic run exactly as verl runs them.
+
+With ``hilore`` set, the engine:
+
+1. compiles each decoder block in place (``block.compile``: class and
+   state-dict keys stay, so ``apply_fsdp2`` still finds and shards the blocks)
+   with the hilore backend before FSDP2 wraps it; one static graph per packed
+   length, which ``pad_to_length`` rounds (``DYNAMIC_SHAPES``);
+2. turns HF gradient checkpointing off, with a warning, and refuses activation
+   offload;
+3. in ``forward_backward_batch``, gives each micro-batch the exposure bucket of
+   its most exposed sample (advantages and response mask, on-policy), runs the
+   micro-batches least exposed first under ``exposure(bucket)``, and skips
+   zero-exposure micro-batches where that is exact (``ppo_loss`` with the
+   vanilla policy loss, no KL loss, no entropy term, model outputs not
+   returned), only in slots every data-parallel rank skips
+   (``slots.schedule_slots``). ``forward_only`` passes run eagerly, as verl's.
+
+Ordering needs no random numbers, so a run and its verl control draw the same
+random stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from verl.utils.device import get_device_id
+from verl.workers.config import FSDPEngineConfig
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+
+from ..backend import BackendOptions, HiLoReBackend, exposure
+from ..distributed.blocks import compile_blocks
+from ..grpo import GRPOLossConfig, exposure_before_forward, exposure_buckets, plan_buckets
+from .slots import SlotSchedule, microbatch_bucket, schedule_slots
+
+#: Blocks are compiled with static shapes: one graph and one plan per packed
+#: length, and ``pad_to_length`` keeps those lengths few. Once the backend plans
+#: dynamic-shape graphs, this becomes True and ``_require_static_lengths`` goes.
+DYNAMIC_SHAPES = False
+#: verl's ``loss_agg_mode`` -> the GRPO normalisation with the same token weights,
+#: for exposure units; other modes are bucketed as token-mean (zero stays exact).
+_AGG_TO_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
+#: Policy losses whose gradient is exactly 0 where every advantage is 0.
+_SKIP_EXACT_LOSS_MODES = ("vanilla",)
+
+
+@dataclass
+class HiLoReFSDPEngineConfig(FSDPEngineConfig):
+    """``FSDPEngineConfig`` plus the hilore backend's options.
+
+    Select it with verl's ``_target_`` override of the actor's ``fsdp_config``.
+    """
+
+    #: The hilore backend's options (``codecs``, ``buckets``, ``memory_budget``,
+    #: ``plan``, ...), as ``torch.compile(options=...)``. None: verl's engine as is.
+    hilore: Optional[dict[str, Any]] = None
+    #: Run micro-batches least exposed first (the update is the same sum).
+    hilore_exposure_order: bool = True
+    #: Skip zero-exposure micro-batches where exact, on every rank together.
+    hilore_skip_zero: bool = True
+
+
+class HiLoReFSDPEngine(FSDPEngineWithLMHead):
+    """``FSDPEngineWithLMHead`` whose decoder blocks are planned by hilore, per exposure bucket.
+
+    Without ``engine_config.hilore`` every method is verl's own. With it,
+    ``hilore_backends`` holds each block's backend (``.graphs``: what it
+    compiled) and ``bucket_history`` one record per update: samples per
+    bucket and micro-batches skipped on this rank.
+    """
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any):
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        options = getattr(engine_config, "hilore", None)
+        self.hilore_options: dict[str, Any] | None = None if options is None else dict(options)
+        self.hilore_backends: list[HiLoReBackend] = []
+        self.bucket_history: list[dict[str, int]] = []
+        if self.hilore_options is not None:
+            self._refuse_what_hilore_cannot_run()
+            # Parsed once here, so a wrong option fails before the model is built.
+            self._n_buckets = BackendOptions.from_mapping(self.hilore_options).buckets
+            self._packed_lengths: set[int] = set()  # one static block graph each (DYNAMIC_SHAPES)
+
+    def _refuse_what_hilore_cannot_run(self) -> None:
+        cfg, model = self.engine_config, self.model_config
+        if cfg.strategy != "fsdp2":
+            raise ValueError(f"the hilore engine compiles blocks before FSDP2 wraps them: set "
+                             f"strategy='fsdp2' (got {cfg.strategy!r}), or drop the hilore field")
+        if model.enable_activation_offload:
+            raise ValueError("enable_activation_offload moves the activations hilore plans to CPU behind its "
+                             "back: set actor_rollout_ref.model.enable_activation_offload=False, and give hilore "
+                             "a memory budget instead")
+        if self.ulysses_sequence_parallel_size > 1:
+            raise ValueError("the hilore engine does not support Ulysses sequence parallelism yet: its all-to-all "
+                             "runs inside the attention of each compiled block; set "
+                             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1")
+        if not self.use_remove_padding:
+            raise ValueError("the hilore engine plans packed micro-batches: set "
+                             "actor_rollout_ref.model.use_remove_padding=True")
+        _require_static_lengths(cfg)
+
+    # -- building --------------------------------------------------------------
+
+    def _build_module(self) -> torch.nn.Module:
+        module = super()._build_module()
+        if self.hilore_options is None or self.engine_config.forward_only:
+            return module
+        if self.model_config.enable_gradient_checkpointing:
+            warnings.warn(
+                "the hilore engine turns gradient checkpointing off: hilore decides per activation what to "
+                "store, compress or recompute, and checkpointed blocks leave it almost nothing to plan. Set "
+                "actor_rollout_ref.model.enable_gradient_checkpointing=False and a memory budget "
+                "(fsdp_config.hilore.memory_budget, default 1.10x-gc) instead.", stacklevel=2)
+            module.gradient_checkpointing_disable()
+        self.hilore_backends = compile_blocks(module, self.hilore_options, dynamic=DYNAMIC_SHAPES, in_place=True)
+        return module
+
+    # -- the update --------------------------------------------------------------
+
+    def forward_backward_batch(self, data: Any, loss_function: Callable, forward_only: bool = False) -> Any:
+        if self.hilore_options is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        if forward_only:
+            # Log-probs need no saved activations, so nothing to plan: run the
+            # blocks eagerly, as verl does, rather than compile a no-grad graph per shape.
+            with torch.compiler.set_stance("force_eager"):
+                return super().forward_backward_batch(data, loss_function, forward_only)
+        return self._planned_update(data, loss_function)
+
+    def _planned_update(self, data: Any, loss_function: Callable) -> Any:
+        """verl's micro-batch loop, in exposure order, with the zero skip (see the module docstring)."""
+        import verl.utils.tensordict_utils as tu
+
+        micro_batches, indices = self._micro_batches(data)
+        self._note_packed_lengths(micro_batches)
+        samples, names = self._sample_buckets(micro_batches, data, _loss_agg_mode(loss_function))
+        buckets = [microbatch_bucket(s, names) for s in samples]
+        returns_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        schedule = schedule_slots(
+            buckets, names, sort=self.engine_config.hilore_exposure_order,
+            skip_zero=self.engine_config.hilore_skip_zero and not returns_outputs
+            and skip_is_exact(loss_function),
+            group=self.get_data_parallel_group(), device=get_device_id())
+        outputs: list[dict[str, Any]] = [{"loss": 0.0, "metrics": {}} for _ in micro_batches]
+        for k, i in enumerate(schedule.run):
+            last = k == len(schedule.run) - 1
+            with self._gradient_sync_context(is_last_micro_batch=last), exposure(buckets[i]), \
+                    torch.profiler.record_function(f"micro_batch{i}"):
+                loss, meta = self.forward_step(micro_batches[i], loss_function=loss_function, forward_only=False)
+                if self.scaler is not None:  # fp16 parameters: verl's loss scaling
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                if not returns_outputs:
+                    meta.pop("model_output", None)
+            outputs[i] = meta
+        self._record(samples, names, schedule)
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def _note_packed_lengths(self, micro_batches: list[Any]) -> None:
+        """Warn once when the padded packed lengths outnumber the graphs dynamo keeps per code object.
+
+        Every block runs the same ``forward`` code, compiled once per length;
+        past ``recompile_limit`` lengths dynamo runs the blocks eagerly, unplanned.
+        """
+        import torch._dynamo.config as dynamo_config
+
+        if DYNAMIC_SHAPES:
+            return
+        before = len(self._packed_lengths)
+        for mb in micro_batches:
+            n = int(mb["input_ids"].offsets()[-1]) if mb["input_ids"].is_nested else mb["input_ids"].numel()
+            self._packed_lengths.add(n + self._get_packed_pad_size(n))
+        limit = dynamo_config.recompile_limit
+        if before <= limit < len(self._packed_lengths):
+            warnings.warn(
+                f"hilore: micro-batches have packed into {len(self._packed_lengths)} padded lengths, one static "
+                f"block graph each, but torch._dynamo.config.recompile_limit is {limit}: blocks at further "
+                "lengths run eagerly, unplanned. Raise actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
+                "(fewer lengths) or torch._dynamo.config.recompile_limit.", stacklevel=3)
+
+    def _micro_batches(self, data: Any) -> tuple[list[Any], Any]:
+        """verl's own preparation: global token count, dp size, then its micro-batches."""
+        import verl.utils.tensordict_utils as tu
+
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        tokens = data["loss_mask"].sum().to(get_device_id())
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+        return prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
+
+    def _sample_buckets(self, micro_batches: list[Any], data: Any,
+                        loss_agg_mode: str) -> tuple[list[list[str]], tuple[str, ...]]:
+        """Per micro-batch, the bucket of each of its samples (in the plan's units); the bucket names."""
+        exposures = [microbatch_exposures(mb, data, loss_agg_mode) for mb in micro_batches]
+        local = torch.cat(exposures)  # (B_rank,)
+        plan = next((g.plan for b in self.hilore_backends for g in b.graphs if g.plan is not None), None)
+        if plan is not None:
+            edges = plan_buckets(plan, int(local.numel()))
+        else:  # before the first compile: this batch's quantiles, with the plan's bucket names
+            edges = exposure_buckets(local, self._n_buckets)
+        return [edges.assign(x) for x in exposures], edges.names
+
+    def _record(self, samples: list[list[str]], names: tuple[str, ...], schedule: SlotSchedule) -> None:
+        """This update's samples per bucket and micro-batches skipped on this rank."""
+        counts = {name: 0 for name in names}
+        for per_sample in samples:
+            for name in per_sample:
+                counts[name] += 1
+        self.bucket_history.append({**counts, "skipped_microbatches": len(schedule.skipped)})
+
+
+def _require_static_lengths(cfg: Any) -> None:
+    """Static block graphs need few packed lengths: ``pad_to_length`` rounds them (until dynamic plans)."""
+    if DYNAMIC_SHAPES or cfg.pad_to_length:
+        return
+    raise ValueError(
+        "the hilore engine compiles one static plan per packed micro-batch length, and without padding "
+        "every micro-batch has a new length (a recompile each): set "
+        "actor_rollout_ref.actor.pad_to_length=True and actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
+        "to a few hundred tokens (or to max_token_len_per_gpu with use_dynamic_bsz: one shape for every "
+        "micro-batch)")
+
+
+def skip_is_exact(loss_function: Callable | None) -> bool:
+    """Whether a zero-advantage micro-batch has exactly zero loss and gradient under this loss.
+
+    Only verl's ``ppo_loss`` with the vanilla policy loss and neither a KL
+    loss nor an entropy term is known to be; anything else keeps every micro-batch.
+    """
+    if not (isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss):
+        return False
+    config = loss_function.keywords.get("config")
+    if config is None:
+        return False
+    mode = config.policy_loss.get("loss_mode", "vanilla")
+    return mode in _SKIP_EXACT_LOSS_MODES and not config.use_kl_loss and float(config.entropy_coeff) == 0.0
+
+
+def _loss_agg_mode(loss_function: Callable | None) -> str:
+    """The loss's ``loss_agg_mode`` where it is verl's ``ppo_loss``; token-mean (verl's default) otherwise."""
+    config = getattr(loss_function, "keywords", {}).get("config") if loss_function is not None else None
+    return str(getattr(config, "loss_agg_mode", "token-mean"))
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """(B, T) dense from a jagged nested tensor (padding 0) or a dense one."""
+    return torch.nested.to_padded_tensor(x, 0.0) if x.is_nested else x
+
+
+def microbatch_exposures(micro_batch: Mapping[str, Any], data: Mapping[str, Any],
+                         loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """(B_mb,) on-policy exposure of each sample of a micro-batch, under verl's global normalisers.
+
+    verl's ``token-mean`` divides by the global response-token count times
+    ``1 / dp_size`` (the ``dapo`` weights with this rank's share of the
+    tokens); ``seq-mean-token-mean`` by the sequences (``grpo``). Exactly zero
+    where every advantage under the response mask is zero.
+    """
+    import verl.utils.tensordict_utils as tu
+
+    adv = _padded(micro_batch["advantages"]).to(torch.float64)  # (B, R)
+    mask = _padded(micro_batch["response_mask"]).to(torch.float64)  # (B, R)
+    dp = float(tu.get_non_tensor_data(data=data, key="dp_size", default=1))
+    global_batch = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
+    n_seq = int(round(float(global_batch) / dp)) if global_batch is not None else adv.shape[0]
+    tokens = float(tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=mask.sum().item()))
+    config = GRPOLossConfig(loss_type=_AGG_TO_LOSS_TYPE.get(loss_agg_mode, "dapo"))
+    return exposure_before_forward(adv, mask, config, num_sequences=n_seq, num_tokens=tokens / dp)
+
+
+def _skip_verls_trl_value_head_patch() -> None:
+    """Let verl build models next to trl 1.x, which this package's ``trl`` extra installs.
+
+    verl 0.9.1's ``apply_monkey_patch`` imports trl's
+    ``AutoModelForCausalLMWithValueHead`` whenever trl is installed, to patch
+    that class's ``state_dict``; trl 1.x no longer has it, so every model
+    build fails. With such a trl, verl is told trl is absent: the patch
+    touched only that class, which then does not exist.
+    """
+    import importlib
+
+    import verl.models.transformers.monkey_patch as verl_patch
+
+    if not verl_patch.is_trl_available():
+        return
+    for where in ("trl.experimental.ppo", "trl"):  # where verl looks, in its order
+        try:
+            with warnings.catch_warnings():  # trl warns on any import from trl.experimental
+                warnings.simplefilter("ignore")
+                if hasattr(importlib.import_module(where), "AutoModelForCausalLMWithValueHead"):
+                    return
+        except ImportError:
+            continue
+    verl_patch.is_trl_available = lambda: False
+
+
+def register() -> None:
+    """Make verl build ``HiLoReFSDPEngine`` wherever it would build ``FSDPEngineWithLMHead``."""
+    table = EngineRegistry._engines.get("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        for key, cls in list(table.get(backend, {}).items()):
+            if cls is FSDPEngineWithLMHead:
+                table[backend][key] = HiLoReFSDPEngine
+
+
+_skip_verls_trl_value_head_patch()
+register()
+
+__all__ = ["DYNAMIC_SHAPES", "HiLoReFSDPEngine", "HiLoReFSDPEngineConfig", "microbatch_exposures",
+           "register", "skip_is_exact"]

@@ -12,12 +12,14 @@ pipeline order:
 - ``validate``       one pass over a loaded trace or plan before anything plans with it.
 - ``passes/calibration`` measured gradient sensitivity per (unit kind, codec).
 - ``vocabulary``     the shared words: options, bucket names and interval rule, exposure units.
-- ``solver/``        the ILP over exposure buckets (PuLP + CBC) -> ``Plan`` (``planfile``).
+- ``solver/``        the ILP over exposure buckets (PuLP + CBC) -> ``Plan`` (``planfile``);
+  ``solver/lengths``: plans over a range of sequence lengths.
 - ``passes/apply``   tag MUST_SAVE / MUST_RECOMPUTE, insert codec encode/decode;
   ``passes/partition``: apply, then min-cut.
 - ``backend/``       ``torch.compile(model, backend="hilore")``: options, planning (given,
-  cached, or made on the joint graph), plan matching, the partitioner Inductor
-  calls per bucket, and ``runtime``'s ``exposure(bucket)``.
+  cached, or made on the joint graph; static or dynamic), plan matching, the partitioner
+  Inductor calls per bucket, ``variants`` per length and exposure bucket, and ``runtime``'s
+  ``exposure(bucket)``.
 - ``grpo/``          GRPO loss, token coefficients, exposure, buckets, actor update.
 - ``bench/``, ``evaluation/``  throughput/memory benchmark and fidelity checks.
 - ``distributed/``   per-block compile (``compile_blocks``), FSDP2, one plan on every rank.

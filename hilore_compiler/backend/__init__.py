@@ -6,6 +6,8 @@ Modules, in the order a compile meets them:
 - ``planning``    where a graph's plan comes from (given, cached, solved now).
 - ``partitioner`` the custom partitioner Inductor calls: plan, apply, min-cut.
 - ``compiler``    ``HiLoReBackend``: one Inductor variant per distinct bucket plan.
+- ``variants``    which variant runs each (length, exposure) bucket; a dynamic graph's
+                  re-solves for lengths outside its plans.
 - ``runtime``     ``exposure(bucket)``: which compiled variant runs.
 
 ``torch.compile(model, backend="hilore")`` resolves to ``hilore_backend``

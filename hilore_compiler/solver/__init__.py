@@ -12,6 +12,7 @@ a plan is made:
 - ``solving``: how they are solved: bucket by bucket where exact, MIP starts.
 - ``cbc``:     the CBC solver: found, run under a time limit, its bound read.
 - ``planner``: ``solve`` ties them together and verifies every answer.
+- ``lengths``: plans that hold over a range of sequence lengths, and length buckets.
 - ``fixed``:   plans with given decisions (baselines, controls), checked the
                same way; the one uniform-plan builder.
 - ``pareto``:  the memory-time curve over a range of budgets.

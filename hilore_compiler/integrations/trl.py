@@ -73,7 +73,10 @@ class HiLoReGRPOTrainer(GRPOTrainer):
     - ``skip_zero``: skip microbatches whose samples all have zero exposure,
       where exact (``beta == 0``, no MoE aux loss, DDP or one process) (True).
     - ``pad_to_multiple_of``: prompt and completion lengths are rounded up to
-      this (8), so that dynamo sees few shapes and plans are reused.
+      this (8). Not needed to stay planned: from the second length on the
+      backbone's graph is dynamic and its plans hold over the lengths met
+      (re-solved when a longer batch arrives); padding only makes those
+      lengths, and so the re-solves, fewer. 1 pads nothing.
     """
 
     def __init__(
@@ -282,7 +285,9 @@ class HiLoReGRPOTrainer(GRPOTrainer):
         backbone = target._modules[prefix]
         compiled = self._compiled.get(id(backbone))
         if compiled is None:
-            compiled = torch.compile(backbone, backend=self.hilore_backend, dynamic=False)
+            # dynamic=None, as users compile: static at the first length, then one
+            # dynamic graph whose plans hold over every length (no recompile per length).
+            compiled = torch.compile(backbone, backend=self.hilore_backend)
             self._compiled = {id(backbone): compiled}
         target._modules[prefix] = compiled
         try:

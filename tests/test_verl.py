@@ -32,11 +32,12 @@ from hilore_compiler.integrations.slots import microbatch_bucket, schedule_slots
 B_RANK, GROUP, PROMPT, RESPONSE = 12, 4, 6, 10
 #: Groups with zero advantages, per rank (see the module docstring).
 ZERO_GROUPS = ((1, 2), (0,))
-#: Packed length of every micro-batch: GROUP * (PROMPT + RESPONSE) tokens at most, rounded up.
+#: verl's token budget per micro-batch under its dynamic batch size: GROUP * (PROMPT + RESPONSE)
+#: tokens at most, rounded up. Packed micro-batches are not padded: each has its own token count.
 PAD_BUCKET = 64
 STEPS = 3
 #: From this step on verl's dynamic batch size packs the micro-batches (by a
-#: token budget of PAD_BUCKET, so every packed micro-batch still pads to one length).
+#: token budget of PAD_BUCKET).
 DYNAMIC_FROM = 2
 #: SGD: the update is a fixed multiple of the gradient, so comparing parameters
 #: compares gradients (Adam's first step, about lr * sign(g), amplifies rounding).
@@ -101,7 +102,7 @@ def build_engine(path: str, hilore: dict | None, initialize: bool = True, skip_z
     model = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
                           **fields)
     common = dict(strategy="fsdp2", use_torch_compile=False, use_dynamic_bsz=False,
-                  micro_batch_size_per_gpu=GROUP, pad_to_length=True, pad_to_length_bucket=PAD_BUCKET,
+                  micro_batch_size_per_gpu=GROUP,
                   mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
     if hilore is None:
         cls = HiLoReFSDPEngine if registered else FSDPEngineWithLMHead
@@ -180,6 +181,8 @@ def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None =
     out["params"] = full_parameters(engine)
     out["history"] = list(getattr(engine, "bucket_history", []))
     out["planned"] = sum(g.plan is not None for b in backends for g in b.graphs)
+    out["dynamic"] = [g.planner is not None and g.planner.dynamic for b in backends for g in b.graphs]
+    out["packed_lengths"] = sorted({n for b in backends for g in b.graphs if g.planner for n in g.planner.seq_range})
     return out
 
 
@@ -264,6 +267,9 @@ def test_blocks_went_through_hilore_and_nothing_recompiles(ranks):
         assert r["sub"]["planned"] > 0, "the backend fell back to Inductor: no block graph has a plan"
         assert graphs[1:] == [graphs[0]] * (STEPS - 1), f"hilore graphs per step: {graphs}"
         assert frames[1:] == [frames[0]] * (STEPS - 1), f"dynamo graphs per step: {frames}"
+        # Unpadded packed micro-batches of several token counts: after the first
+        # length, one symbolic graph per block serves them all.
+        assert any(r["sub"]["dynamic"]), "no block graph was compiled with the packed length symbolic"
         assert r["ref"]["graphs"] == [0] * STEPS  # verl's engine compiled nothing
 
 
@@ -304,7 +310,7 @@ def test_engine_config_is_selected_with_verls_target_override():
     from hilore_compiler.integrations.verl import HiLoReFSDPEngineConfig
 
     cfg = OmegaConf.create({"_target_": "hilore_compiler.integrations.verl.HiLoReFSDPEngineConfig",
-                            "strategy": "fsdp2", "pad_to_length": True, "hilore": {"codecs": [], "buckets": 2}})
+                            "strategy": "fsdp2", "hilore": {"codecs": [], "buckets": 2}})
     built = omega_conf_to_dataclass(cfg)
     assert isinstance(built, HiLoReFSDPEngineConfig) and built.hilore["buckets"] == 2
 
@@ -318,16 +324,6 @@ def test_importing_registers_the_engine_where_verl_picks_fsdp_engines(monkeypatc
     for strategy in ("fsdp", "fsdp2"):
         assert EngineRegistry.get_engine_cls("language_model", strategy) is HiLoReFSDPEngine
     assert EngineRegistry.get_engine_cls("value_model", "fsdp2") is not HiLoReFSDPEngine  # critic: verl's
-
-
-def test_static_plans_need_pad_to_length():
-    from verl.workers.config import FSDPEngineConfig
-
-    from hilore_compiler.integrations.verl import _require_static_lengths
-
-    with pytest.raises(ValueError, match="pad_to_length=True"):
-        _require_static_lengths(FSDPEngineConfig(strategy="fsdp2"))
-    _require_static_lengths(FSDPEngineConfig(strategy="fsdp2", pad_to_length=True))
 
 
 def test_skip_only_for_losses_with_zero_gradient_at_zero_advantage():
@@ -377,25 +373,3 @@ if __name__ == "__main__":
               f"buckets per step {r['sub']['history']}")
 
 
-def test_warns_once_when_packed_lengths_pass_dynamos_recompile_limit(monkeypatch):
-    import torch._dynamo.config as dynamo_config
-
-    from hilore_compiler.integrations.verl import HiLoReFSDPEngine
-
-    engine = HiLoReFSDPEngine.__new__(HiLoReFSDPEngine)  # only what the check reads: no process group
-    engine.pad_to_length, engine.pad_to_length_bucket, engine._packed_lengths = True, 8, set()
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
-
-    def micro_batches(*tokens):  # packed micro-batches of one sequence each, ``tokens`` long
-        return [{"input_ids": torch.nested.nested_tensor([torch.ones(n, dtype=torch.long)], layout=torch.jagged)}
-                for n in tokens]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        engine._note_packed_lengths(micro_batches(3, 7, 12))  # padded to 8, 8, 16: two lengths
-    with pytest.warns(UserWarning, match="recompile_limit is 2"):
-        engine._note_packed_lengths(micro_batches(20))  # 24: a third
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        engine._note_packed_lengths(micro_batches(30))  # said once
-    assert engine._packed_lengths == {8, 16, 24, 32}

@@ -120,7 +120,7 @@ def _check_recompile_limit(graphs: int) -> None:
 
 
 def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *,
-                   backend: str = "hilore", dynamic: bool = False, fullgraph: bool = True,
+                   backend: str = "hilore", dynamic: bool | None = False, fullgraph: bool = True,
                    in_place: bool = False) -> list[Any]:
     """Compile every decoder block of ``model`` on its own, in place; returns each block's backend.
 

@@ -13,8 +13,9 @@ With ``hilore`` set, the engine:
 
 1. compiles each decoder block in place (``block.compile``: class and
    state-dict keys stay, so ``apply_fsdp2`` still finds and shards the blocks)
-   with the hilore backend before FSDP2 wraps it; one static graph per packed
-   length, which ``pad_to_length`` rounds (``DYNAMIC_SHAPES``);
+   with the hilore backend before FSDP2 wraps it, with the packed length
+   symbolic: one graph per block whatever the micro-batch's token count, its
+   plans re-solved when a longer one arrives (``backend/variants.py``);
 2. turns HF gradient checkpointing off, with a warning, and refuses activation
    offload;
 3. in ``forward_backward_batch``, gives each micro-batch the exposure bucket of
@@ -50,10 +51,12 @@ from ..distributed.blocks import compile_blocks
 from ..grpo import GRPOLossConfig, exposure_before_forward, exposure_buckets, plan_buckets
 from .slots import SlotSchedule, microbatch_bucket, schedule_slots
 
-#: Blocks are compiled with static shapes: one graph and one plan per packed
-#: length, and ``pad_to_length`` keeps those lengths few. Once the backend plans
-#: dynamic-shape graphs, this becomes True and ``_require_static_lengths`` goes.
-DYNAMIC_SHAPES = False
+#: ``torch.compile``'s ``dynamic`` for the blocks: None, as users compile. The
+#: first packed length compiles static; at the second dynamo makes the packed
+#: length symbolic (only it: ``dynamic=True`` would make FSDP2's unsharded
+#: parameters' sizes symbolic too), and that one planned graph serves every
+#: token count ``use_remove_padding`` / ``use_dynamic_bsz`` packs.
+DYNAMIC_SHAPES = None
 #: verl's ``loss_agg_mode`` -> the GRPO normalisation with the same token weights,
 #: for exposure units; other modes are bucketed as token-mean (zero stays exact).
 _AGG_TO_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
@@ -96,7 +99,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             self._refuse_what_hilore_cannot_run()
             # Parsed once here, so a wrong option fails before the model is built.
             self._n_buckets = BackendOptions.from_mapping(self.hilore_options).buckets
-            self._packed_lengths: set[int] = set()  # one static block graph each (DYNAMIC_SHAPES)
 
     def _refuse_what_hilore_cannot_run(self) -> None:
         cfg, model = self.engine_config, self.model_config
@@ -114,7 +116,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if not self.use_remove_padding:
             raise ValueError("the hilore engine plans packed micro-batches: set "
                              "actor_rollout_ref.model.use_remove_padding=True")
-        _require_static_lengths(cfg)
 
     # -- building --------------------------------------------------------------
 
@@ -149,7 +150,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         import verl.utils.tensordict_utils as tu
 
         micro_batches, indices = self._micro_batches(data)
-        self._note_packed_lengths(micro_batches)
         samples, names = self._sample_buckets(micro_batches, data, _loss_agg_mode(loss_function))
         buckets = [microbatch_bucket(s, names) for s in samples]
         returns_outputs = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
@@ -173,28 +173,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             outputs[i] = meta
         self._record(samples, names, schedule)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
-
-    def _note_packed_lengths(self, micro_batches: list[Any]) -> None:
-        """Warn once when the padded packed lengths outnumber the graphs dynamo keeps per code object.
-
-        Every block runs the same ``forward`` code, compiled once per length;
-        past ``recompile_limit`` lengths dynamo runs the blocks eagerly, unplanned.
-        """
-        import torch._dynamo.config as dynamo_config
-
-        if DYNAMIC_SHAPES:
-            return
-        before = len(self._packed_lengths)
-        for mb in micro_batches:
-            n = int(mb["input_ids"].offsets()[-1]) if mb["input_ids"].is_nested else mb["input_ids"].numel()
-            self._packed_lengths.add(n + self._get_packed_pad_size(n))
-        limit = dynamo_config.recompile_limit
-        if before <= limit < len(self._packed_lengths):
-            warnings.warn(
-                f"hilore: micro-batches have packed into {len(self._packed_lengths)} padded lengths, one static "
-                f"block graph each, but torch._dynamo.config.recompile_limit is {limit}: blocks at further "
-                "lengths run eagerly, unplanned. Raise actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
-                "(fewer lengths) or torch._dynamo.config.recompile_limit.", stacklevel=3)
 
     def _micro_batches(self, data: Any) -> tuple[list[Any], Any]:
         """verl's own preparation: global token count, dp size, then its micro-batches."""
@@ -226,18 +204,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             for name in per_sample:
                 counts[name] += 1
         self.bucket_history.append({**counts, "skipped_microbatches": len(schedule.skipped)})
-
-
-def _require_static_lengths(cfg: Any) -> None:
-    """Static block graphs need few packed lengths: ``pad_to_length`` rounds them (until dynamic plans)."""
-    if DYNAMIC_SHAPES or cfg.pad_to_length:
-        return
-    raise ValueError(
-        "the hilore engine compiles one static plan per packed micro-batch length, and without padding "
-        "every micro-batch has a new length (a recompile each): set "
-        "actor_rollout_ref.actor.pad_to_length=True and actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket "
-        "to a few hundred tokens (or to max_token_len_per_gpu with use_dynamic_bsz: one shape for every "
-        "micro-batch)")
 
 
 def skip_is_exact(loss_function: Callable | None) -> bool:

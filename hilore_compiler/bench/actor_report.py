@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .actor import LABELS, PLAN_OF, SKIPPING, ActorBenchConfig
-from .paired import paired_ratio
+from .paired import format_paired, paired_ratio
 from .report import Spread, environment
 from .rounds import MethodRun
 
@@ -97,15 +97,6 @@ def summarise(config: ActorBenchConfig, runs: dict[str, MethodRun], plans: dict[
     }
 
 
-def _interval(paired: dict[str, Any] | None) -> str:
-    """``1.14 [1.09, 1.19]``, ``1.14`` with one round, ``-`` without."""
-    if paired is None:
-        return "-"
-    if paired["low"] is None:
-        return f"{paired['ratio']:.3f}"
-    return f"{paired['ratio']:.3f} [{paired['low']:.3f}, {paired['high']:.3f}]"
-
-
 def format_table(report: dict[str, Any]) -> str:
     """A markdown table of the rows, as the README shows it; the ratios of a skipping
     row are to GC and the blind plan with the zero skip (``references``)."""
@@ -129,8 +120,8 @@ def format_table(report: dict[str, Any]) -> str:
         predicted = num(r["predicted_rel_l2"], ".1e")
         lines.append(
             f"| {r['label']} | {num(r['tokens_per_s'] and r['tokens_per_s']['median'], '.0f')} | "
-            f"{_interval(r.get('paired_vs_gc'))} | {_interval(r.get('paired_vs_blind'))} | "
-            f"{_interval(r.get('paired_vs_no_skip'))} | "
+            f"{format_paired(r.get('paired_vs_gc'))} | {format_paired(r.get('paired_vs_blind'))} | "
+            f"{format_paired(r.get('paired_vs_no_skip'))} | "
             f"{num(r['peak_bytes'] and r['peak_bytes']['median'] / 1e6, '.1f')} | "
             f"{num(r['peak_vs_gc'], '.3f')} | {megabytes(r.get('tensor_peak_bytes'))} / "
             f"{megabytes(r.get('predicted_peak_bytes'))} | {num(r['cosine'], '.6f')} | {num(r['rel_l2'], '.1e')} / "

@@ -29,7 +29,7 @@ import torch
 
 from .lengths_worker import LENGTH_METHODS, LengthsWorkerConfig
 from .measure import gradient_fidelity
-from .paired import geometric_interval
+from .paired import format_paired, geometric_interval
 from .process import WorkerError, WorkerProcess, worker_env
 
 Progress = Callable[[str], None]
@@ -170,14 +170,6 @@ def summarise(methods: dict[str, dict[str, Any]], config: LengthsBenchConfig) ->
     return out
 
 
-def _format_ratio(x: dict[str, Any] | None) -> str:
-    if x is None:
-        return "-"
-    if x["low"] is None:
-        return f"{x['ratio']:.3f}"
-    return f"{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
-
-
 def render_lengths(result: dict[str, Any]) -> str:
     """The result as Markdown: a table per length, then each method's set-up (compile) time."""
     lines = []
@@ -190,7 +182,7 @@ def render_lengths(result: dict[str, Any]) -> str:
                 lines.append(f"| {row['method']} | failed: {row['error'][:80]} | | | | | | |")
                 continue
             lines.append(
-                f"| {row['method']} | {row['tokens_per_s']:.0f} | {_format_ratio(row['x_gc'])} | "
+                f"| {row['method']} | {row['tokens_per_s']:.0f} | {format_paired(row['x_gc'])} | "
                 f"{row['peak_bytes'] / 1e6:.1f} | {row['x_gc_peak']:.3f} | {'yes' if row['fits'] else 'no'} | "
                 f"{row.get('cosine', float('nan')):.6f} | {row['first_step_s']:.1f} |")
         lines.append("")

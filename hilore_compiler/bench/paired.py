@@ -78,3 +78,13 @@ def paired_ratio(samples: Iterable[StepSample], reference: Iterable[StepSample],
     """Speed of ``samples`` over ``reference``, paired by round; None without a common round."""
     mine, theirs = round_speeds(samples, tokens), round_speeds(reference, tokens)
     return geometric_interval([mine[r] / theirs[r] for r in sorted(mine) if r in theirs])
+
+
+def format_paired(paired: dict | None) -> str:
+    """A paired ratio as JSON holds it (``asdict(PairedRatio)``): ``1.140 [1.090, 1.190]``,
+    ``1.140`` with one round, ``-`` without."""
+    if paired is None:
+        return "-"
+    if paired["low"] is None:
+        return f"{paired['ratio']:.3f}"
+    return f"{paired['ratio']:.3f} [{paired['low']:.3f}, {paired['high']:.3f}]"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
-from . import comma_list
+from . import comma_list, length_list
 
 #: Where result files go unless ``-o`` says otherwise (relative to the working directory).
 RESULTS_DIR = Path("bench") / "results"
@@ -65,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "uniform int8, HiLoRe exposure-blind, with buckets, and GC, blind and buckets "
                         "with the zero skip (bench/actor.py); "
                         "--model, --seq-len, --repeats, --threads, --hilore-budget, --methods apply")
-    p.add_argument("--lengths", type=length_list,
+    p.add_argument("--lengths", type=functools.partial(length_list, flag="--lengths", at_least=2),
                    help="run the step at each of these sequence lengths (comma-separated, e.g. "
                         "256,512,1024,2048): GC, store-all and HiLoRe with one plan over the range, with length "
                         "buckets and static per length, in one run (bench/lengths.py); --model, --batch, "
@@ -90,17 +91,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def codec_list(text: str) -> tuple[str, ...]:
     """``--codecs``: comma-separated names; ``none`` for no codec at all."""
     return () if text.strip().lower() == "none" else comma_list(text)
-
-
-def length_list(text: str) -> tuple[int, ...]:
-    """``--lengths``: two or more comma-separated sequence lengths."""
-    try:
-        lengths = tuple(int(c) for c in comma_list(text))
-    except ValueError:
-        lengths = ()
-    if len(lengths) < 2 or min(lengths) < 2:
-        raise argparse.ArgumentTypeError(f"--lengths takes two or more lengths like 256,512,1024,2048, not {text!r}")
-    return lengths
 
 
 def chunk_list(text: str) -> tuple[int, ...]:
@@ -172,8 +162,8 @@ def run_lengths(args: argparse.Namespace) -> int:
     output = Path(args.output or RESULTS_DIR / name)
     result = run_lengths_bench(config, _progress)
     result["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(f"results: {write_json_atomic(output, result)}")  # first: the table is read from it
     print(render_lengths(result))
-    print(f"results: {write_json_atomic(output, result)}")
     return 1 if any(m["status"] != "ok" for m in result["methods"].values()) else 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
 from ..solver.lengths import solve_length_buckets
+from . import length_list
 from .show import exposure_range
 
 
@@ -39,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="plan for this sequence length, or LO:HI for one plan that holds over that range of "
                         "lengths (the ceiling checked across it, recovery time minimised over --length-mix) "
                         "(default: the traced length)")
-    p.add_argument("--length-mix", type=length_list, default=None,
+    p.add_argument("--length-mix", type=functools.partial(length_list, flag="--length-mix"), default=None,
                    help="comma-separated sample sequence lengths of a typical run, for a range (default: "
                         "uniform over it)")
     p.add_argument("--length-buckets", type=int, default=1,
@@ -68,16 +70,6 @@ def seq_lens(text: str) -> tuple[int, int]:
     if not 1 <= parsed[0] <= parsed[1]:
         raise argparse.ArgumentTypeError(f"--seq-len takes a length like 2048 or a range like 512:4096, not {text!r}")
     return parsed
-
-
-def length_list(text: str) -> tuple[int, ...]:
-    try:
-        lengths = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        lengths = ()
-    if not lengths or min(lengths) < 1:
-        raise argparse.ArgumentTypeError(f"--length-mix takes positive lengths like 512,1024,1024,3000, not {text!r}")
-    return lengths
 
 
 def _risk_budget(text: str) -> float | str:

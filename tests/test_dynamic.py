@@ -105,15 +105,6 @@ def test_built_in_policy_stays_planned_across_lengths(tmp_path):
     check(run_lengths(model, lambda fn, ids: fn(ids), model.config.vocab_size, tmp_path), BUILT_IN_MODEL_ERROR)
 
 
-def test_hugging_face_llama_stays_planned_across_lengths(tmp_path):
-    pytest.importorskip("transformers")
-    from hilore_compiler.models.hf import build_hf_model
-
-    torch.manual_seed(0)
-    model = build_hf_model("llama", vocab_size=64, use_cache=False)
-    check(run_lengths(model, lambda fn, ids: fn(input_ids=ids).logits, 64, tmp_path), HF_SDPA_MODEL_ERROR)
-
-
 def packed_batch(lengths: tuple[int, ...], vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's remove-padding layout: sequences packed into one (1, N) row, positions restarting per sequence."""
     g = torch.Generator().manual_seed(seed)

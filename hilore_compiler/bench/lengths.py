@@ -4,7 +4,8 @@ GRPO batches change length every step. This bench runs each method
 (``lengths_worker.LENGTH_METHODS``) in a process of its own over a batch at
 every length: GC, store-all, HiLoRe with one plan over the range
 (``hilore-range``), with length buckets (``hilore-lengths``) and with a
-static plan per length (``hilore-static``, the upper bound). Set-up runs
+static plan per length (``hilore-static``, the upper bound); ``hilore``
+(zero config, plans over the lengths seen) by name. Set-up runs
 one step per length in turn, so the seconds it takes are the run's compile
 time, and dynamo compiles as it does for a user (static, then dynamic).
 Then rounds alternate the methods (their order rotating each round); each
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .lengths_worker import LENGTH_METHODS, LengthsWorkerConfig
+from .lengths_worker import DEFAULT_LENGTH_METHODS, LENGTH_METHODS, LengthsWorkerConfig
 from .measure import gradient_fidelity
 from .paired import format_paired, geometric_interval
 from .process import WorkerError, WorkerProcess, worker_env
@@ -44,7 +45,7 @@ class LengthsBenchConfig:
     model: str = "small"
     batch: int = 2
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)
-    methods: tuple[str, ...] = LENGTH_METHODS
+    methods: tuple[str, ...] = DEFAULT_LENGTH_METHODS
     #: Rounds of alternation, each measuring every method at every length.
     repeats: int = 6
     steps_per_round: int = 1

@@ -34,8 +34,12 @@ from .measure import StepSample, allocator_peak, loss_side, measure_step, plan_l
 from .methods import wrap_layers
 from .worker import StepData, actor_step, flat_grad, make_data, serve_requests
 
-#: What the lengths bench compares: GC, store-all, and three ways HiLoRe plans lengths.
-LENGTH_METHODS = ("gc", "store-all", "hilore-range", "hilore-lengths", "hilore-static")
+#: What the lengths bench compares: GC, store-all, and the ways HiLoRe plans lengths:
+#: over the lengths seen (zero config: ``hilore``), over the bench's range given
+#: up front (``-range``), with length buckets (``-lengths``), static per length (``-static``).
+LENGTH_METHODS = ("gc", "store-all", "hilore", "hilore-range", "hilore-lengths", "hilore-static")
+#: Run unless ``--methods`` says otherwise: zero config is for the compile-time study.
+DEFAULT_LENGTH_METHODS = tuple(m for m in LENGTH_METHODS if m != "hilore")
 #: Most length buckets ``hilore-lengths`` may split its range into.
 LENGTH_BUCKETS = 3
 
@@ -83,6 +87,9 @@ class LengthsWorker:
         from ..backend import HiLoReBackend
 
         options = {**self.config.hilore, "loss_ratio": plan_loss_ratio(self._loss_ratio())}
+        if method == "hilore":  # zero config: plans over the lengths seen, re-solved as they grow
+            self.backend = HiLoReBackend(options)
+            return torch.compile(self.model, backend=self.backend)
         if method == "hilore-static":
             # One static graph per length: dynamo's recompile limit must not end it early.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,

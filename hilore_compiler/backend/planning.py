@@ -296,7 +296,11 @@ class GraphPlanner:
         given) re-solves; the others keep their plans.
         """
         lo, hi = self.seq_range
-        if not self.dynamic or (batch <= self.planned_batch and lo <= seq_len <= hi) or not self._load_trace():
+        if not self.dynamic or (batch <= self.planned_batch and lo <= seq_len <= hi):
+            return False
+        if not self._load_trace():
+            # Nothing to re-solve from: the plans stay, and later calls stop asking.
+            self.planned_batch, self.seq_range = max(batch, self.planned_batch), (min(lo, seq_len), max(hi, seq_len))
             return False
         self.planned_batch = max(batch, self.planned_batch)
         self.seq_range = planned_range(self.options, seq_len, self.seq_range)

@@ -1,4 +1,4 @@
-"""Plans over a range of sequence lengths (``solver/lengths.py``), torch-free: each plan holds
+"""Plans over a range of sequence lengths (``solver/lengths.py``): each plan holds
 its ceiling at every length it was checked at, x-gc ceilings follow GC's peak there, time is
 minimised over the length mix, and length buckets cover the range and pay for themselves."""
 
@@ -82,3 +82,20 @@ def test_length_buckets_cover_the_range_and_pay_their_price(trace):
         split = sum(sum(w for w, p in zip(weights, one.lengths) if plan.covers(p.seq_len)) * mixed_time_s(plan)
                     for plan in plans)
         assert split + LENGTH_BUCKET_PRICE * mixed_time_s(one) * (len(plans) - 1) < mixed_time_s(one)
+
+
+def test_the_backend_takes_length_bucket_plans_as_a_list(trace):
+    """``options={"plan": [...]}``: the length buckets' plan files, in any order; a range they do not
+    cover, without a trace to re-solve from, is refused with both ranges named."""
+    from hilore_compiler.backend.options import BackendOptions
+    from hilore_compiler.backend.planning import given_plans
+    from hilore_compiler.passes.apply import PlanMismatchError
+
+    short = solve_range(trace, (64, 255), "1.0x-gc", buckets=1)
+    long = solve_range(trace, (256, 1024), "1.0x-gc", buckets=1)
+    options = BackendOptions.from_mapping({"plan": [long, short]})
+    assert given_plans(options, 2, (100, 900)) == (short, long)
+    with pytest.raises(PlanMismatchError, match=r"64-255, 256-1024 .* sequences 100 to 2000"):
+        given_plans(options, 2, (100, 2000))
+    with pytest.raises(ValueError, match="a list of them"):
+        BackendOptions.from_mapping({"plan": []})

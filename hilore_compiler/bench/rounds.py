@@ -54,11 +54,18 @@ class MethodRun:
 
     def fail(self, error: Exception, progress: Progress) -> None:
         self.status, self.error = "failed", str(error)
-        progress(f"{self.method}: FAILED: {str(error).splitlines()[0]}")
+        progress(f"{self.name or self.method}: FAILED: {_first_line(error)}")
         for worker in (self.worker, self.timed_worker):
             if worker is not None:
                 worker.close()
         self.worker = self.timed_worker = None
+
+
+def _first_line(error: Exception) -> str:
+    """The line of an error a progress line shows: the innermost of dynamo's wrapping, if it quotes one."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    inner = [line for line in lines if "Error: " in line and not line.startswith("BackendCompilerFailed")]
+    return (inner or lines or [""])[-1 if inner else 0]
 
 
 def describe(samples: list[StepSample], *, peak: bool = True) -> str:

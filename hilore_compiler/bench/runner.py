@@ -66,6 +66,12 @@ class BenchConfig:
     hilore_budget: str = "1.10x-gc"
     #: Codecs HiLoRe's plans may use (empty: store and recompute only, exact gradients).
     hilore_codecs: tuple[str, ...] = ("bf16", "int8")
+    #: HiLoRe's error budget (``"cos>=0.999"``, a squared relative error); None: the default.
+    hilore_risk_budget: str | None = None
+    #: The memory-speed frontier (``frontier.py``): memory ceilings as multiples
+    #: of GC's measured peak, each budgeted method planned or searched at each;
+    #: empty: one run at ``hilore_budget``.
+    ceilings: tuple[float, ...] = ()
     #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
     pt_budget: float | None = None
     #: Budgets the pt-budget search tries (``search.grid``), one process (compile) each.
@@ -94,6 +100,8 @@ class BenchConfig:
         if any(c < 0 for c in self.step_chunks) or (0 in self.step_chunks and len(self.step_chunks) > 1):
             raise ValueError(f"step_chunks must be positive token counts, or (0,) for the defaults; "
                              f"got {self.step_chunks}")
+        if any(not 0 < c < 100 for c in self.ceilings) or len(set(self.ceilings)) != len(self.ceilings):
+            raise ValueError(f"ceilings must be distinct positive multiples of GC's peak, got {self.ceilings}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         unknown_codecs = [c for c in self.hilore_codecs if c not in codec_names()]

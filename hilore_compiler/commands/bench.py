@@ -66,13 +66,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "with the zero skip (bench/actor.py); "
                         "--model, --seq-len, --repeats, --threads, --hilore-budget, --methods apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
-    p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
+    p.add_argument("--risk-budget", help="HiLoRe's error budget, e.g. cos>=0.99 (default cos>=0.999)")
     p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
                                     "recompute only (default bf16,int8; int4 is the lossy opt-in)")
     p.add_argument("--step-chunks", type=chunk_list,
                    help="hilore-step chooses its log-prob chunk size among these token counts, "
                         "comma-separated, or 'auto' for sizes making 2 to 8 chunks: each priced by the "
                         "memory model, the fitting ones compiled and timed (default: gc-chunked's 128)")
+    p.add_argument("--ceilings", type=ceiling_list,
+                   help="the memory-speed frontier: comma-separated memory ceilings as multiples of GC's "
+                        "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
+                        "pt-budget, hilore-step) is planned or searched at each, the others placed where "
+                        "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
@@ -85,6 +90,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def codec_list(text: str) -> tuple[str, ...]:
     """``--codecs``: comma-separated names; ``none`` for no codec at all."""
     return () if text.strip().lower() == "none" else comma_list(text)
+
+
+def ceiling_list(text: str) -> tuple[float, ...]:
+    """``--ceilings``: multiples of GC's peak, ``0.8,1.0,1.1x-gc`` (an ``x-gc`` suffix on any is allowed)."""
+    try:
+        ceilings = tuple(float(c.lower().removesuffix("x-gc").removesuffix("x")) for c in comma_list(text))
+    except ValueError:
+        ceilings = ()
+    if not ceilings or min(ceilings) <= 0:
+        raise argparse.ArgumentTypeError(f"--ceilings takes positive multiples of GC's peak like 0.8,1.0,1.1x-gc, "
+                                         f"not {text!r}")
+    return ceilings
 
 
 def chunk_list(text: str) -> tuple[int, ...]:
@@ -151,6 +168,8 @@ def config_from_args(args: argparse.Namespace):
         values["methods"] = comma_list(args.methods)
     if getattr(args, "codecs", None):
         values["hilore_codecs"] = codec_list(args.codecs)
+    if getattr(args, "risk_budget", None):
+        values["hilore_risk_budget"] = args.risk_budget
     return BenchConfig(**values)
 
 
@@ -170,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     if args.actor_update:
         return run_actor(args)
     config = config_from_args(args)
+    if config.ceilings:
+        return run_frontier_command(config, args.output)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")
     result = run_bench(config, _progress)
     report = summarise(result)
@@ -182,3 +203,24 @@ def run(args: argparse.Namespace) -> int:
     if result.run_dir:
         print(f"a method failed; worker logs kept in {result.run_dir}")
     return 1 if any(r.status != "ok" for r in result.runs) else 0
+
+
+def run_frontier_command(config, output: str | None) -> int:
+    """``--ceilings``: run the frontier, print its tables, save the JSON and the PNG."""
+    from ..bench.frontier import run_frontier
+    from ..bench.frontier_report import format_ceiling_table, format_points_table, save_json, summarise_frontier
+    from ..bench.plot import save_frontier_png
+
+    dtype = "" if config.dtype == "float32" else f"-{config.dtype}"
+    path = Path(output or RESULTS_DIR / f"frontier-{config.model}-T{config.seq_len}{dtype}.json")
+    result = run_frontier(config, _progress)
+    report = summarise_frontier(result)
+    print(format_ceiling_table(report))
+    print()
+    print(format_points_table(report))
+    print(f"results: {save_json(report, path)}")
+    png = save_frontier_png(report, path.with_suffix(".png"))
+    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
+    if result.run_dir:
+        print(f"a run failed; worker logs kept in {result.run_dir}")
+    return 1 if any(p.status == "failed" for p in result.points) else 0

@@ -27,15 +27,13 @@ the same rounds.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .launcher import REFERENCE_GC, SAME_PLAN, Launcher
 from .methods import METHODS, STEP_METHODS
-from .rounds import MethodRun, Progress, close_workers, compare_grads, measure_rounds, warm_peak, warm_seconds
-from .runner import BenchConfig, predict_baselines, resolve_device
+from .rounds import MethodRun, Progress, close_workers, compare_grads, warm_peak, warm_seconds
+from .runner import BenchConfig, measure_all, new_launcher, predict_baselines
 from .search import Probe, choose, grid
 
 #: Methods planned (or, pt-budget, searched) at each ceiling; the others are placed where they fall.
@@ -85,9 +83,8 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
     """Set up the fixed methods, then each budgeted one at each ceiling; measure in rounds."""
     if not config.ceilings:
         raise ValueError("the frontier needs ceilings (BenchConfig.ceilings), e.g. (0.8, 1.0, 1.1, 1.5)")
-    device = resolve_device(config.device)
-    run_dir = Path(tempfile.mkdtemp(prefix="hilore-frontier-"))
-    launcher = Launcher(config, device, run_dir, progress)
+    launcher = new_launcher(config, progress, prefix="hilore-frontier-")
+    device, run_dir = launcher.device, launcher.run_dir
     progress(f"frontier of {config.model}, batch {config.batch}, seq_len {config.seq_len}, {config.dtype} on "
              f"{device} at {', '.join(f'{c:g}' for c in config.ceilings)} x GC; logs in {run_dir}")
     runs: dict[str, MethodRun] = {}
@@ -96,8 +93,6 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
     try:
         for method in (m for m in METHODS if m in config.methods and m not in BUDGETED):
             runs[method] = launcher.start(method)
-            if method in REFERENCE_GC.values() and warm_peak(runs[method]) is not None:
-                launcher.gc_peaks[method] = int(warm_peak(runs[method]))
             points += [Point(method=method, ceiling=c, run=method, status=MEASURED) for c in config.ceilings]
         for method in (m for m in METHODS if m in config.methods and m in BUDGETED):
             if method == "pt-budget":
@@ -106,9 +101,7 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
             else:
                 points += [_planned_point(launcher, runs, method, c) for c in config.ceilings]
         predict_baselines({r.method: r for r in reversed(runs.values())})
-        for run in runs.values():
-            launcher.time(run)
-        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart)
+        measure_all(launcher, runs, progress)
     finally:
         close_workers(runs.values())
     compare_grads(runs)

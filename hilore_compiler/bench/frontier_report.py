@@ -21,7 +21,7 @@ from .frontier import DOES_NOT_FIT, FrontierRun, Point
 from .launcher import REFERENCE_GC
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
-from .report import MethodStats, environment, method_stats
+from .report import MethodStats, environment, method_stats, run_record
 
 FRONTIER_SCHEMA = "hilore.frontier/v1"
 
@@ -191,9 +191,7 @@ def format_points_table(report: FrontierReport) -> str:
 def to_json(report: FrontierReport) -> dict[str, Any]:
     """The result file: configuration, environment, every run's data, every point, every row."""
     run = report.run
-    runs = {name: {**asdict(report.stats[name]), "info": r.info, "peaks": list(r.peaks),
-                   "samples": [asdict(x) for x in r.samples], "warmup": [asdict(x) for x in r.warmup],
-                   "settle": [asdict(x) for x in r.settle]} for name, r in run.runs.items()}
+    runs = {name: run_record(report.stats[name], r) for name, r in run.runs.items()}
     rows = [{"ceiling": r.ceiling, "ceiling_bytes": r.ceiling_bytes,
              "hilore": asdict(r.hilore.point) if r.hilore else None, "hilore_fits": r.hilore.fits if r.hilore else None,
              "fastest_other": asdict(r.fastest_other.point) if r.fastest_other else None,

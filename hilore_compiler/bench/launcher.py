@@ -119,6 +119,8 @@ class Launcher:
             return run
         if not planned_first and self._measured_already(run, same_plan):
             return run
+        if method in REFERENCE_GC.values() and not tag and warm_peak(run) is not None:
+            self.gc_peaks[method] = int(warm_peak(run))  # what the HiLoRe methods' x-gc budgets refer to
         peak = f", peak {warm_peak(run) / 1e6:.1f} MB" if self.peaks_apart else ""
         self.progress(f"{name}: compiled in {run.compile_s:.1f} s; warm-up "
                       f"{describe(run.warmup, peak=not self.peaks_apart)}{peak}")

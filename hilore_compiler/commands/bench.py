@@ -6,8 +6,12 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import comma_list
+
+if TYPE_CHECKING:
+    from ..bench.runner import BenchConfig
 
 #: Where result files go unless ``-o`` says otherwise (relative to the working directory).
 RESULTS_DIR = Path("bench") / "results"
@@ -197,15 +201,20 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report))
     print("targets (paper, at 1.10 x GC's peak):")
     print(format_targets(report))
-    print(f"results: {save_json(report, output)}")
-    png = save_png(report, output.with_suffix(".png"))
-    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
-    if result.run_dir:
-        print(f"a method failed; worker logs kept in {result.run_dir}")
+    _write_results(report, output, save_json, save_png, result.run_dir)
     return 1 if any(r.status != "ok" for r in result.runs) else 0
 
 
-def run_frontier_command(config, output: str | None) -> int:
+def _write_results(report, path: Path, save_json, save_png, run_dir: str | None) -> None:
+    """Save a report's JSON and PNG beside it, and say where they (and any kept logs) are."""
+    print(f"results: {save_json(report, path)}")
+    png = save_png(report, path.with_suffix(".png"))
+    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
+    if run_dir:
+        print(f"a run failed; worker logs kept in {run_dir}")
+
+
+def run_frontier_command(config: "BenchConfig", output: str | None) -> int:
     """``--ceilings``: run the frontier, print its tables, save the JSON and the PNG."""
     from ..bench.frontier import run_frontier
     from ..bench.frontier_report import format_ceiling_table, format_points_table, save_json, summarise_frontier
@@ -218,9 +227,5 @@ def run_frontier_command(config, output: str | None) -> int:
     print(format_ceiling_table(report))
     print()
     print(format_points_table(report))
-    print(f"results: {save_json(report, path)}")
-    png = save_frontier_png(report, path.with_suffix(".png"))
-    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
-    if result.run_dir:
-        print(f"a run failed; worker logs kept in {result.run_dir}")
+    _write_results(report, path, save_json, save_frontier_png, result.run_dir)
     return 1 if any(p.status == "failed" for p in result.points) else 0

@@ -186,3 +186,45 @@ def test_a_quick_sweep_plans_per_ceiling_and_reports_a_ceiling_no_plan_fits(requ
     report = summarise_frontier(result)
     row = {r.ceiling: r for r in report.rows}[1.5]
     assert row.hilore.fits and row.fastest_other.point.method == "gc" and row.vs_fastest.rounds == 2
+
+
+class _Worker:
+    """A ``WorkerProcess`` stand-in: plans at once, or fails as a solver that cannot fit does."""
+
+    spawned: list[_Worker] = []
+    infeasible = False
+
+    def __init__(self, config, env, log_path):
+        self.config, self.closed = config, False
+        self.spawned.append(self)
+
+    def request(self, cmd, **fields):
+        from hilore_compiler.bench.process import WorkerError
+
+        if self.infeasible:
+            raise WorkerError("InfeasibleBudgetError: ...", min_budget_bytes=170_000_000)
+        if cmd == "measure":
+            return {"samples": [{"seconds": 1.0, "peak_bytes": 7}] * fields["steps"]}
+        return {"compile_s": 1.0, "warmup": [], "info": {"mmap_threshold_set": False, "bucket": "b1",
+                "plan": {"decisions_digest": "d", "bucket_digests": {"b1": "aa"}}}}
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_launcher_closes_a_plan_already_measured_and_keeps_what_an_unfit_one_needs(tmp_path, monkeypatch):
+    from hilore_compiler.bench import launcher as launcher_module
+    from hilore_compiler.bench.launcher import SAME_PLAN, Launcher
+
+    monkeypatch.setattr(launcher_module, "WorkerProcess", _Worker)
+    monkeypatch.setattr(_Worker, "spawned", [])
+    launcher = Launcher(BenchConfig(model="tiny", ceilings=(1.1,)), "cpu", tmp_path, [].append)
+    twin = launcher.start("hilore-blind", tag="@1.1x", hilore_budget="1.1x-gc", same_plan=lambda info: "hilore@1.1x")
+    assert twin.status == SAME_PLAN and twin.info["same_plan_as"] == "hilore@1.1x"
+    assert len(_Worker.spawned) == 1 and _Worker.spawned[0].closed  # no peak worker: nothing left to measure
+    assert _Worker.spawned[0].config.options.hilore_budget == "1.1x-gc"
+    own = launcher.start("hilore", tag="@1.1x", hilore_budget="1.1x-gc", same_plan=lambda info: None)
+    assert own.status == "ok" and len(_Worker.spawned) == 3 and own.worker is _Worker.spawned[1]
+    monkeypatch.setattr(_Worker, "infeasible", True)
+    unfit = launcher.start("hilore", tag="@0.8x", hilore_budget="0.8x-gc")
+    assert unfit.status == "failed" and unfit.info["min_budget_bytes"] == 170_000_000

@@ -128,7 +128,7 @@ def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, pe
             kept += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
         which = (f"settling round {r + settle + 1}/{settle} (not counted)" if r < 0
                  else f"round {r + 1}/{config.repeats}")
-        done = ", ".join(f"{run.method} {describe(run.settle if r < 0 else run.samples, peak=peaks)}"
+        done = ", ".join(f"{run.name or run.method} {describe(run.settle if r < 0 else run.samples, peak=peaks)}"
                          for run in live if run.worker)
         progress(f"{which}: {done}")
 

@@ -9,13 +9,14 @@ on the default allocator; on CUDA one worker does both (``Launcher``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .measure import StepSample
 from .methods import HILORE_BACKENDS, STEP_METHODS, MethodOptions
 from .process import WorkerError, WorkerProcess, worker_env
-from .rounds import MethodRun, Progress, describe, warm_peak
+from .rounds import MethodRun, Progress, close_workers, describe, warm_peak
 from .worker import WorkerConfig
 
 if TYPE_CHECKING:  # runner.py imports this module
@@ -25,6 +26,12 @@ if TYPE_CHECKING:  # runner.py imports this module
 #: Steps whose peaks a CPU peak worker measures after its warm-up (the
 #: peak is the same step after step, DESIGN.md "Measuring"; three show it).
 PEAK_STEPS = 3
+
+#: ``MethodRun.status`` of a run whose plan another run measures (``Launcher.start``'s ``same_plan``).
+SAME_PLAN = "same plan"
+
+#: ``same_plan(info)``: the name of a run already measured with the plan ``info`` describes, or None.
+SamePlan = Callable[[dict[str, Any]], "str | None"]
 
 #: The GC method whose measured peak each HiLoRe method's ``x-gc`` budget
 #: refers to: the one that runs the same step (eager or compiled loss).
@@ -59,14 +66,24 @@ class Launcher:
         #: every method to.
         self.gc_peaks: dict[str, int] = {}
 
-    def start(self, method: str, tag: str = "", budget: float | None = None) -> MethodRun:
+    def start(self, method: str, tag: str = "", budget: float | None = None, *, hilore_budget: str | None = None,
+              same_plan: SamePlan | None = None) -> MethodRun:
         """Spawn ``method``'s worker, compile, warm it up and measure its peak (``run.peaks``);
-        a failure is recorded, not raised. On CPU the worker exits after its peaks:
+        a failure is recorded, not raised (with ``info["min_budget_bytes"]`` where a
+        plan did not fit). On CPU the worker exits after its peaks:
         ``time`` starts the one the rounds use, except for a method that plans
-        (``plans_first``), whose timed worker is set up here, before its peak worker."""
+        (``plans_first``), whose timed worker is set up here, before its peak worker.
+
+        ``hilore_budget`` replaces the configuration's for this method;
+        ``same_plan(info)`` names a run already measured with the plan the
+        first worker made, or None: if it names one, the method's workers
+        are closed and the run comes back with status ``SAME_PLAN`` (the
+        frontier measures each plan once)."""
         name = method + tag
         grad_path = str(self.run_dir / f"grad-{name}.pt")
-        options = MethodOptions(hilore_budget=self.config.hilore_budget, hilore_codecs=self.config.hilore_codecs,
+        options = MethodOptions(hilore_budget=hilore_budget or self.config.hilore_budget,
+                                hilore_codecs=self.config.hilore_codecs,
+                                hilore_risk_budget=self.config.hilore_risk_budget,
                                 hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
                                 gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")),
                                 step_chunks=self.config.step_chunks)
@@ -80,6 +97,8 @@ class Launcher:
         try:
             if planned_first:
                 self._start_timed(run, config)
+                if self._measured_already(run, same_plan):
+                    return run
                 config = dataclasses.replace(config, grad_path=None, options=_as_chosen(options, run.info))
             run.worker = WorkerProcess(config, env=self.peak_env, log_path=self.run_dir / f"{name}.log")
             reply = run.worker.request("setup")
@@ -95,7 +114,13 @@ class Launcher:
                 run.worker, run.timed_worker = run.timed_worker, None
         except WorkerError as e:
             run.fail(e, self.progress)
+            if e.min_budget_bytes is not None:
+                run.info["min_budget_bytes"] = e.min_budget_bytes
             return run
+        if not planned_first and self._measured_already(run, same_plan):
+            return run
+        if method in REFERENCE_GC.values() and not tag and warm_peak(run) is not None:
+            self.gc_peaks[method] = int(warm_peak(run))  # what the HiLoRe methods' x-gc budgets refer to
         peak = f", peak {warm_peak(run) / 1e6:.1f} MB" if self.peaks_apart else ""
         self.progress(f"{name}: compiled in {run.compile_s:.1f} s; warm-up "
                       f"{describe(run.warmup, peak=not self.peaks_apart)}{peak}")
@@ -116,6 +141,16 @@ class Launcher:
         """
         choosing_chunks = method in STEP_METHODS and bool(self.config.step_chunks)
         return self.peaks_apart and method in HILORE_BACKENDS and not choosing_chunks
+
+    def _measured_already(self, run: MethodRun, same_plan: SamePlan | None) -> bool:
+        """Whether ``same_plan`` names a run with ``run``'s plan; if so ``run`` closes its workers."""
+        twin = same_plan(run.info) if same_plan is not None and run.status == "ok" else None
+        if twin is None:
+            return False
+        close_workers([run])
+        run.status, run.info["same_plan_as"] = SAME_PLAN, twin
+        self.progress(f"{run.name}: the same plan as {twin}, measured once")
+        return True
 
     def _start_timed(self, run: MethodRun, config: WorkerConfig) -> None:
         """Set up ``run``'s timed worker (default allocator) first; it compiles, plans and

@@ -98,6 +98,8 @@ class MethodOptions:
     hilore_budget: str = "1.10x-gc"
     #: Codecs HiLoRe's plan may use.
     hilore_codecs: tuple[str, ...] = ("bf16", "int8")
+    #: HiLoRe's error budget (``solver.parse_risk_budget``); None: the default, cos >= 0.999.
+    hilore_risk_budget: str | None = None
     #: Non-zero exposure buckets of HiLoRe's plan.
     hilore_buckets: int = 3
     #: Where the hilore backend caches traces and plans; shared by the workers
@@ -250,9 +252,13 @@ class UniformCodecBackend:
 
 
 def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[str, Any]:
+    # strict: a plan that does not fit, or fails to compile, raises in the
+    # worker (with the smallest feasible budget) instead of falling back to
+    # Inductor's partition, which a bench would measure as the method.
     return {"memory_budget": options.hilore_budget, "codecs": options.hilore_codecs,
+            "risk_budget": options.hilore_risk_budget,
             "buckets": options.hilore_buckets if buckets is None else buckets,
-            "cache_dir": options.hilore_cache_dir, "verbose": options.verbose,
+            "cache_dir": options.hilore_cache_dir, "verbose": options.verbose, "strict": True,
             "loss_ratio": options.loss_ratio, "gc_peak_bytes": options.gc_peak_bytes}
 
 
@@ -329,7 +335,8 @@ def plan_summary(backend: Any) -> dict[str, Any]:
                risk_budget=plan.risk_budget,
                bucket_error={b.bucket.name: {"risk": b.risk, "error_share": b.error_share}
                              for b in plan.buckets if not b.skip},
-               decisions_digest=_decisions_digest(plan))
+               decisions_digest=_decisions_digest(plan),
+               bucket_digests={b.bucket.name: _decisions_digest(plan, b) for b in plan.buckets if not b.skip})
     # What the partitioner applied; empty where Inductor's graph cache served
     # the compiled graph and no partitioner ran (a bench's timed worker).
     out["records"] = [
@@ -361,11 +368,15 @@ def step_cosines(summary: dict[str, Any], bucket: str | None) -> dict[str, float
             "cosine_bound": error2_to_cosine(summary["risk_budget"] / share)}
 
 
-def _decisions_digest(plan: Any) -> str:
-    """A short hash of every bucket's decisions: equal digests, the same plan."""
+def _decisions_digest(plan: Any, bucket: Any = None) -> str:
+    """A short hash of every bucket's decisions, or of one ``bucket``'s (a ``BucketPlan``):
+    equal digests, the same plan (the same compiled step under that bucket)."""
     import hashlib
 
-    text = json.dumps([[b.bucket.name, b.skip, list(b.decisions)] for b in plan.buckets])
+    if bucket is not None:
+        text = json.dumps(list(bucket.decisions))
+    else:
+        text = json.dumps([[b.bucket.name, b.skip, list(b.decisions)] for b in plan.buckets])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -1,4 +1,5 @@
-"""The step bench's figure: throughput against peak memory, one labelled point per method."""
+"""The step bench's figures: throughput against peak memory, one labelled point per method, and the
+frontier's, one line per method across the memory ceilings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .frontier_report import FrontierReport
+from .methods import LABELS
 from .report import MEMORY_CEILING, BenchReport
 
 
@@ -59,11 +62,53 @@ def save_png(report: BenchReport, path: str | os.PathLike) -> Path | None:
     cfg = report.run.config
     ax.set(xlabel="peak memory of the step (MB)", ylabel="tokens / s (median, min-max)",
            title=f"{cfg.model}, B={cfg.batch}, T={cfg.seq_len}, {report.run.device}")
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: str | os.PathLike) -> Path:
+    """Write ``fig`` as a PNG atomically (readers never see a half-written image, as with the JSON)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)  # readers never see a half-written image, as with the JSON
+    os.replace(tmp, path)
     return path
+
+
+def frontier_lines(report: FrontierReport) -> dict[str, list[tuple[float, float]]]:
+    """Per method label, its distinct measured points (peak MB, median tokens/s), by peak."""
+    lines: dict[str, set[tuple[float, float]]] = {}
+    for c in report.cells:
+        s = c.stats
+        if s is not None and s.tokens_per_s and s.peak_bytes:
+            lines.setdefault(LABELS[c.point.method], set()).add((s.peak_bytes.median / 1e6, s.tokens_per_s.median))
+    return {label: sorted(points) for label, points in lines.items()}
+
+
+def save_frontier_png(report: FrontierReport, path: str | os.PathLike) -> Path | None:
+    """Tokens/s against measured peak, one line per method, the ceilings marked; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, points in frontier_lines(report).items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", linestyle="-" if len(points) > 1 else "none", label=label)
+    for row in report.rows:
+        if row.ceiling_bytes:
+            ax.axvline(row.ceiling_bytes / 1e6, linestyle=":", color="grey", linewidth=0.8)
+            ax.annotate(f"{row.ceiling:g}x", (row.ceiling_bytes / 1e6, 1), xycoords=("data", "axes fraction"),
+                        xytext=(2, -10), textcoords="offset points", color="grey", fontsize=8)
+    cfg = report.run.config
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set(xlabel="measured peak memory of the step (MB)", ylabel="tokens / s (median)",
+           title=f"{cfg.model} {cfg.dtype}, B={cfg.batch}, T={cfg.seq_len}: ceilings in x GC's peak (dotted)")
+    return _save(fig, path)

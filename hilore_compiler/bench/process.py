@@ -34,7 +34,15 @@ def worker_env(inductor_cache: Path, *, peak: bool = False) -> dict[str, str]:
 
 
 class WorkerError(RuntimeError):
-    """A worker answered with an error or died; the message says which and why."""
+    """A worker answered with an error or died; the message says which and why.
+
+    ``min_budget_bytes``: where a plan did not fit its memory budget, the
+    smallest budget the solver could meet (else None).
+    """
+
+    def __init__(self, message: str, *, min_budget_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
 
 
 class WorkerProcess:
@@ -64,7 +72,7 @@ class WorkerProcess:
                               f"{self.log_path}:\n{log_tail(self.log_path)}")
         reply = json.loads(line)
         if not reply.pop("ok"):
-            raise WorkerError(reply["error"])
+            raise WorkerError(reply["error"], min_budget_bytes=reply.get("min_budget_bytes"))
         return reply
 
     def close(self) -> None:

@@ -340,11 +340,7 @@ def format_targets(report: BenchReport) -> str:
 def to_json(report: BenchReport) -> dict[str, Any]:
     """The result file: configuration, environment, per-method data, targets."""
     run = report.run
-    methods = []
-    for s, r in zip(report.stats, run.runs):
-        methods.append({**asdict(s), "info": r.info, "fidelity": r.fidelity,
-                        "peaks": list(r.peaks), "samples": [asdict(x) for x in r.samples],
-                        "warmup": [asdict(x) for x in r.warmup], "settle": [asdict(x) for x in r.settle]})
+    methods = [run_record(s, r) for s, r in zip(report.stats, run.runs)]
     return {
         "schema": BENCH_SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -359,6 +355,13 @@ def to_json(report: BenchReport) -> dict[str, Any]:
         "recovered_fraction": report.recovered,
         "run_dir": run.run_dir,
     }
+
+
+def run_record(stats: MethodStats, run: MethodRun) -> dict[str, Any]:
+    """One run in a result file: its statistics and every measurement behind them."""
+    return {**asdict(stats), "info": run.info, "fidelity": run.fidelity, "peaks": list(run.peaks),
+            "samples": [asdict(x) for x in run.samples], "warmup": [asdict(x) for x in run.warmup],
+            "settle": [asdict(x) for x in run.settle]}
 
 
 def save_json(report: BenchReport, path: str | os.PathLike) -> Path:

@@ -54,11 +54,18 @@ class MethodRun:
 
     def fail(self, error: Exception, progress: Progress) -> None:
         self.status, self.error = "failed", str(error)
-        progress(f"{self.method}: FAILED: {str(error).splitlines()[0]}")
+        progress(f"{self.name or self.method}: FAILED: {_first_line(error)}")
         for worker in (self.worker, self.timed_worker):
             if worker is not None:
                 worker.close()
         self.worker = self.timed_worker = None
+
+
+def _first_line(error: Exception) -> str:
+    """The line of an error a progress line shows: the innermost of dynamo's wrapping, if it quotes one."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    inner = [line for line in lines if "Error: " in line and not line.startswith("BackendCompilerFailed")]
+    return (inner or lines or [""])[-1 if inner else 0]
 
 
 def describe(samples: list[StepSample], *, peak: bool = True) -> str:
@@ -121,7 +128,7 @@ def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, pe
             kept += [dataclasses.replace(StepSample(**s), round=r) for s in reply["samples"]]
         which = (f"settling round {r + settle + 1}/{settle} (not counted)" if r < 0
                  else f"round {r + 1}/{config.repeats}")
-        done = ", ".join(f"{run.method} {describe(run.settle if r < 0 else run.samples, peak=peaks)}"
+        done = ", ".join(f"{run.name or run.method} {describe(run.settle if r < 0 else run.samples, peak=peaks)}"
                          for run in live if run.worker)
         progress(f"{which}: {done}")
 

@@ -24,7 +24,7 @@ import torch
 
 from ..codecs import codec_names
 from ..models import DTYPES
-from .launcher import REFERENCE_GC, Launcher
+from .launcher import Launcher
 from .methods import DEFAULT_METHODS, METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, measure_rounds, warm_peak, warm_seconds
 from .search import BudgetSearch, search_budget
@@ -66,6 +66,12 @@ class BenchConfig:
     hilore_budget: str = "1.10x-gc"
     #: Codecs HiLoRe's plans may use (empty: store and recompute only, exact gradients).
     hilore_codecs: tuple[str, ...] = ("bf16", "int8")
+    #: HiLoRe's error budget (``"cos>=0.999"``, a squared relative error); None: the default.
+    hilore_risk_budget: str | None = None
+    #: The memory-speed frontier (``frontier.py``): memory ceilings as multiples
+    #: of GC's measured peak, each budgeted method planned or searched at each;
+    #: empty: one run at ``hilore_budget``.
+    ceilings: tuple[float, ...] = ()
     #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
     pt_budget: float | None = None
     #: Budgets the pt-budget search tries (``search.grid``), one process (compile) each.
@@ -94,6 +100,8 @@ class BenchConfig:
         if any(c < 0 for c in self.step_chunks) or (0 in self.step_chunks and len(self.step_chunks) > 1):
             raise ValueError(f"step_chunks must be positive token counts, or (0,) for the defaults; "
                              f"got {self.step_chunks}")
+        if any(not 0 < c < 100 for c in self.ceilings) or len(set(self.ceilings)) != len(self.ceilings):
+            raise ValueError(f"ceilings must be distinct positive multiples of GC's peak, got {self.ceilings}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         unknown_codecs = [c for c in self.hilore_codecs if c not in codec_names()]
@@ -162,11 +170,15 @@ def _pt_budget(launcher: Launcher, runs: dict[str, MethodRun],
                          progress=progress)
 
 
+def new_launcher(config: BenchConfig, progress: Progress, prefix: str = "hilore-bench-") -> Launcher:
+    """A launcher for one run: the device resolved, a fresh folder for its workers' logs (and caches)."""
+    return Launcher(config, resolve_device(config.device), Path(tempfile.mkdtemp(prefix=prefix)), progress)
+
+
 def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
     """Set up every method, search pt-budget's budget, measure in rounds; see the module docstring."""
-    device = resolve_device(config.device)
-    run_dir = Path(tempfile.mkdtemp(prefix="hilore-bench-"))
-    launcher = Launcher(config, device, run_dir, progress)
+    launcher = new_launcher(config, progress)
+    device, run_dir = launcher.device, launcher.run_dir
     progress(f"{config.model}, batch {config.batch}, seq_len {config.seq_len}, {config.dtype} on {device}; "
              f"workers' logs and caches in {run_dir}")
     runs: dict[str, MethodRun] = {}
@@ -177,12 +189,8 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
                 runs[method], search = _pt_budget(launcher, runs, progress)
             else:
                 runs[method] = launcher.start(method)
-            if method in REFERENCE_GC.values() and warm_peak(runs[method]) is not None:
-                launcher.gc_peaks[method] = int(warm_peak(runs[method]))
         predict_baselines(runs)
-        for run in runs.values():
-            launcher.time(run)
-        measure_rounds(list(runs.values()), config, progress, peaks=not launcher.peaks_apart)
+        measure_all(launcher, runs, progress)
     finally:
         close_workers(runs.values())
     compare_grads(runs)
@@ -191,6 +199,13 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
         shutil.rmtree(run_dir, ignore_errors=True)  # only logs, gradients and a temporary cache
     return BenchRun(config=config, device=device, runs=tuple(runs.values()), budget_search=search,
                     run_dir=str(run_dir) if failed else None)
+
+
+def measure_all(launcher: Launcher, runs: dict[str, MethodRun], progress: Progress) -> None:
+    """Start every set-up run's timed worker, then measure the live ones in alternating rounds."""
+    for run in runs.values():
+        launcher.time(run)
+    measure_rounds(list(runs.values()), launcher.config, progress, peaks=not launcher.peaks_apart)
 
 
 def predict_baselines(runs: dict[str, MethodRun]) -> None:

@@ -31,6 +31,7 @@ import torch
 from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
+from ..solver import infeasible_cause
 from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
                       plan_loss_ratio)
 from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
@@ -239,6 +240,9 @@ def serve_requests(make: Callable[[], Any], commands: TextIO, answers: TextIO) -
         except Exception as e:  # the runner records the failure and goes on with other methods
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            infeasible = infeasible_cause(e)
+            if infeasible is not None:  # the plan does not fit: say what would
+                reply["min_budget_bytes"] = infeasible.min_budget_bytes
         answers.write(json.dumps(reply) + "\n")
         answers.flush()
 

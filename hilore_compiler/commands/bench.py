@@ -7,8 +7,12 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import comma_list, length_list
+
+if TYPE_CHECKING:
+    from ..bench.runner import BenchConfig
 
 #: Where result files go unless ``-o`` says otherwise (relative to the working directory).
 RESULTS_DIR = Path("bench") / "results"
@@ -72,13 +76,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "buckets and static per length, in one run (bench/lengths.py); --model, --batch, "
                         "--repeats, --steps-per-round, --hilore-budget, --codecs, --threads, --seed apply")
     p.add_argument("--loss-type", choices=("dapo", "grpo"), help="--actor-update's normalisation (default dapo)")
-    p.add_argument("--risk-budget", help="--actor-update's error budget (default cos>=0.999)")
+    p.add_argument("--risk-budget", help="HiLoRe's error budget, e.g. cos>=0.99 (default cos>=0.999)")
     p.add_argument("--codecs", help="codecs HiLoRe may use, comma-separated, or 'none' for store and "
                                     "recompute only (default bf16,int8; int4 is the lossy opt-in)")
     p.add_argument("--step-chunks", type=chunk_list,
                    help="hilore-step chooses its log-prob chunk size among these token counts, "
                         "comma-separated, or 'auto' for sizes making 2 to 8 chunks: each priced by the "
                         "memory model, the fitting ones compiled and timed (default: gc-chunked's 128)")
+    p.add_argument("--ceilings", type=ceiling_list,
+                   help="the memory-speed frontier: comma-separated memory ceilings as multiples of GC's "
+                        "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
+                        "pt-budget, hilore-step) is planned or searched at each, the others placed where "
+                        "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,
@@ -91,6 +100,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def codec_list(text: str) -> tuple[str, ...]:
     """``--codecs``: comma-separated names; ``none`` for no codec at all."""
     return () if text.strip().lower() == "none" else comma_list(text)
+
+
+def ceiling_list(text: str) -> tuple[float, ...]:
+    """``--ceilings``: multiples of GC's peak, ``0.8,1.0,1.1x-gc`` (an ``x-gc`` suffix on any is allowed)."""
+    try:
+        ceilings = tuple(float(c.lower().removesuffix("x-gc").removesuffix("x")) for c in comma_list(text))
+    except ValueError:
+        ceilings = ()
+    if not ceilings or min(ceilings) <= 0:
+        raise argparse.ArgumentTypeError(f"--ceilings takes positive multiples of GC's peak like 0.8,1.0,1.1x-gc, "
+                                         f"not {text!r}")
+    return ceilings
 
 
 def chunk_list(text: str) -> tuple[int, ...]:
@@ -180,6 +201,8 @@ def config_from_args(args: argparse.Namespace):
         values["methods"] = comma_list(args.methods)
     if getattr(args, "codecs", None):
         values["hilore_codecs"] = codec_list(args.codecs)
+    if getattr(args, "risk_budget", None):
+        values["hilore_risk_budget"] = args.risk_budget
     return BenchConfig(**values)
 
 
@@ -201,15 +224,39 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths:
         return run_lengths(args)
     config = config_from_args(args)
+    if config.ceilings:
+        return run_frontier_command(config, args.output)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")
     result = run_bench(config, _progress)
     report = summarise(result)
     print(format_table(report))
     print("targets (paper, at 1.10 x GC's peak):")
     print(format_targets(report))
-    print(f"results: {save_json(report, output)}")
-    png = save_png(report, output.with_suffix(".png"))
-    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
-    if result.run_dir:
-        print(f"a method failed; worker logs kept in {result.run_dir}")
+    _write_results(report, output, save_json, save_png, result.run_dir)
     return 1 if any(r.status != "ok" for r in result.runs) else 0
+
+
+def _write_results(report, path: Path, save_json, save_png, run_dir: str | None) -> None:
+    """Save a report's JSON and PNG beside it, and say where they (and any kept logs) are."""
+    print(f"results: {save_json(report, path)}")
+    png = save_png(report, path.with_suffix(".png"))
+    print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
+    if run_dir:
+        print(f"a run failed; worker logs kept in {run_dir}")
+
+
+def run_frontier_command(config: "BenchConfig", output: str | None) -> int:
+    """``--ceilings``: run the frontier, print its tables, save the JSON and the PNG."""
+    from ..bench.frontier import run_frontier
+    from ..bench.frontier_report import format_ceiling_table, format_points_table, save_json, summarise_frontier
+    from ..bench.plot import save_frontier_png
+
+    dtype = "" if config.dtype == "float32" else f"-{config.dtype}"
+    path = Path(output or RESULTS_DIR / f"frontier-{config.model}-T{config.seq_len}{dtype}.json")
+    result = run_frontier(config, _progress)
+    report = summarise_frontier(result)
+    print(format_ceiling_table(report))
+    print()
+    print(format_points_table(report))
+    _write_results(report, path, save_json, save_frontier_png, result.run_dir)
+    return 1 if any(p.status == "failed" for p in result.points) else 0

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..solver import InfeasibleBudgetError
+from ..solver import InfeasibleBudgetError, infeasible_cause
 from ..solver.budget import format_bytes, parse_budget
 from .config import GRPOConfig
 from .step import StepFn, compiled_step
@@ -125,16 +125,6 @@ def _shared_budget(options: Mapping[str, Any]) -> None:
             "log-probs' measured peak")
 
 
-def _infeasible(error: BaseException) -> InfeasibleBudgetError | None:
-    """The InfeasibleBudgetError behind a compile failure (dynamo wraps it), or None."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, InfeasibleBudgetError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 class NoChunkFitsError(InfeasibleBudgetError):
     """No candidate chunk size fits the budget; ``trials`` says what each one needs."""
 
@@ -200,7 +190,7 @@ def _compile_candidate(model: nn.Module, config: GRPOConfig, batch: Sequence[Ten
     try:
         run()  # traces, prices and solves this chunk size, then compiles its plan
     except Exception as error:
-        infeasible = _infeasible(error)
+        infeasible = infeasible_cause(error)
         if infeasible is None:
             raise
         return (ChunkTrial(chunk_tokens=chunk, chunks=chunks, fits=False, min_budget_bytes=infeasible.min_budget_bytes),

@@ -26,7 +26,7 @@ from .fixed import fixed_plan, uniform_codec
 from .memory import CostModel, Prediction, cost_model, simulate
 from .pareto import ParetoCurve, ParetoPoint, pareto_curve
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, save_exposure_mix
-from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, predicted_error, solve
+from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, infeasible_cause, predicted_error, solve
 from .risk import (
     DEFAULT_NUM_BUCKETS,
     DEFAULT_RISK_BUDGET,
@@ -40,7 +40,7 @@ from .risk import (
 
 __all__ = [
     "Budget", "BucketSpec", "CostModel", "DEFAULT_BUDGET", "DEFAULT_NUM_BUCKETS",
-    "DEFAULT_RISK_BUDGET", "DEFAULT_TARGET_COSINE", "InfeasibleBudgetError", "PROXY_FACTOR",
+    "DEFAULT_RISK_BUDGET", "DEFAULT_TARGET_COSINE", "InfeasibleBudgetError", "PROXY_FACTOR", "infeasible_cause",
     "ParetoCurve", "ParetoPoint", "Prediction", "SolverOptions", "SolverUnavailableError",
     "bucket_shares", "cosine_to_error2", "cost_model", "default_buckets", "default_exposure_mix",
     "error2_to_cosine", "fixed_plan", "format_bytes", "load_exposure_mix", "pareto_curve",

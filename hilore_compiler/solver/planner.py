@@ -58,6 +58,16 @@ class InfeasibleBudgetError(ValueError):
         self.min_budget_bytes = min_budget_bytes
 
 
+def infeasible_cause(error: BaseException) -> InfeasibleBudgetError | None:
+    """The InfeasibleBudgetError behind a compile failure (dynamo wraps it), or None."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, InfeasibleBudgetError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[str, ...]:
     """The codecs the planner may use: all the trace measured, or those named."""
     known = sorted({name for u in trace.units for name in u.codecs})

@@ -1,0 +1,202 @@
+"""The memory-speed frontier: every method at every memory ceiling, in one run of alternating rounds.
+
+``hilore bench --ceilings 0.8,1.0,1.1,1.5`` (``BenchConfig.ceilings``, multiples
+of GC's measured peak). The fixed methods (GC, store-all, selective AC,
+uniform int8, GC + chunked log-probs) are set up once, as ``runner.run_bench``
+does, and placed at every ceiling; whether they fit one is read from their
+measured peaks (``frontier_report.py``). The budgeted methods are planned or
+searched at each ceiling:
+
+- ``hilore``, ``hilore-blind``, ``hilore-step``: one worker per ceiling, planned
+  at ``<c>x-gc`` of the measured GC peak (``launcher.REFERENCE_GC``). A plan
+  the solver cannot fit is a point that does not fit, with the smallest
+  budget it could meet. A plan whose step runs the decisions of a plan
+  already measured (same bucket decisions: the same compiled step) is not
+  measured again: its point names the run that measured it. At a ceiling at
+  or above store-all's measured peak the eager-loss methods are store-all's
+  point, not planned at all.
+- ``pt-budget``: the grid of ``activation_memory_budget`` probes
+  (``search.grid``) is compiled once; at each ceiling the fastest probe whose
+  measured peak fits is its point, and probes chosen at no ceiling are closed.
+
+Then every run still measuring alternates in the rounds (``rounds.py``), so
+every point's paired ratio against GC, and against any other point, comes from
+the same rounds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from .launcher import REFERENCE_GC, SAME_PLAN, Launcher
+from .methods import METHODS, STEP_METHODS
+from .rounds import MethodRun, Progress, close_workers, compare_grads, warm_peak, warm_seconds
+from .runner import BenchConfig, measure_all, new_launcher, predict_baselines
+from .search import Probe, choose, grid
+
+#: Methods planned (or, pt-budget, searched) at each ceiling; the others are placed where they fall.
+BUDGETED = ("hilore", "hilore-blind", "pt-budget", "hilore-step")
+
+#: ``Point.status`` values.
+MEASURED, DOES_NOT_FIT, FAILED = "measured", "does not fit", "failed"
+#: A budgeted method at a ceiling above store-all's peak: it would keep everything, as store-all does.
+AS_STORE_ALL = "store-all"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Point:
+    """One method at one ceiling: the run measured for it, or why none is."""
+
+    method: str
+    #: Multiple of GC's measured peak.
+    ceiling: float
+    #: Name of the run measured for this point (a key of ``FrontierRun.runs``);
+    #: None where nothing runs (``DOES_NOT_FIT``, ``FAILED``).
+    run: str | None
+    #: ``MEASURED`` (by ``run``, which may be another point's: ``note`` says so),
+    #: ``DOES_NOT_FIT``, ``FAILED`` or ``AS_STORE_ALL``.
+    status: str
+    note: str = ""
+    #: Where a plan does not fit: the smallest budget its solver could meet.
+    min_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontierRun:
+    """Every run of the sweep, by name, and every method's point at every ceiling."""
+
+    config: BenchConfig
+    device: str
+    runs: dict[str, MethodRun]
+    points: tuple[Point, ...]
+    #: Measured peaks of the GC methods the ceilings are multiples of (``REFERENCE_GC``).
+    gc_peaks: dict[str, int]
+    #: Every pt-budget probe: budget, measured peak, warm-up step seconds.
+    probes: tuple[Probe, ...]
+    #: Kept when a run failed (its log is there), else None (deleted).
+    run_dir: str | None
+
+
+def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
+    """Set up the fixed methods, then each budgeted one at each ceiling; measure in rounds."""
+    if not config.ceilings:
+        raise ValueError("the frontier needs ceilings (BenchConfig.ceilings), e.g. (0.8, 1.0, 1.1, 1.5)")
+    launcher = new_launcher(config, progress, prefix="hilore-frontier-")
+    device, run_dir = launcher.device, launcher.run_dir
+    progress(f"frontier of {config.model}, batch {config.batch}, seq_len {config.seq_len}, {config.dtype} on "
+             f"{device} at {', '.join(f'{c:g}' for c in config.ceilings)} x GC; logs in {run_dir}")
+    runs: dict[str, MethodRun] = {}
+    points: list[Point] = []
+    probes: tuple[Probe, ...] = ()
+    try:
+        for method in (m for m in METHODS if m in config.methods and m not in BUDGETED):
+            runs[method] = launcher.start(method)
+            points += [Point(method=method, ceiling=c, run=method, status=MEASURED) for c in config.ceilings]
+        for method in (m for m in METHODS if m in config.methods and m in BUDGETED):
+            if method == "pt-budget":
+                more, probes = _pt_budget_points(launcher, runs, progress)
+                points += more
+            else:
+                points += [_planned_point(launcher, runs, method, c) for c in config.ceilings]
+        predict_baselines({r.method: r for r in reversed(runs.values())})
+        measure_all(launcher, runs, progress)
+    finally:
+        close_workers(runs.values())
+    compare_grads(runs)
+    # A plan that does not fit is an answer, not a failure: its log need not be kept.
+    failed = any(run.status not in ("ok", SAME_PLAN) and "min_budget_bytes" not in run.info for run in runs.values())
+    if not failed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return FrontierRun(config=config, device=device, runs=runs, points=tuple(points),
+                       gc_peaks=dict(launcher.gc_peaks), probes=probes, run_dir=str(run_dir) if failed else None)
+
+
+def _planned_point(launcher: Launcher, runs: dict[str, MethodRun], method: str, ceiling: float) -> Point:
+    """``method`` planned at ``ceiling`` x its GC's measured peak: a run of its own, another
+    run with the same plan, store-all's run, or a point that does not fit."""
+    point = {"method": method, "ceiling": ceiling}
+    gc_peak = launcher.gc_peaks.get(REFERENCE_GC[method])
+    if gc_peak is None:
+        return Point(**point, run=None, status=FAILED, note=f"no measured {REFERENCE_GC[method]} peak to plan at")
+    store = warm_peak(runs.get("store-all"))
+    if method not in STEP_METHODS and store is not None and store <= ceiling * gc_peak:
+        return Point(**point, run="store-all", status=AS_STORE_ALL,
+                     note=f"the ceiling holds store-all's {store / 1e6:.1f} MB: every plan is store-all")
+    name = f"{method}@{ceiling:g}x"
+    run = launcher.start(method, tag=f"@{ceiling:g}x", hilore_budget=f"{ceiling:g}x-gc",
+                         same_plan=lambda info: same_plan_run(runs, method, info))
+    if run.status == SAME_PLAN:
+        twin = run.info["same_plan_as"]
+        return Point(**point, run=twin, status=MEASURED, note=f"the same plan as {twin}, measured once")
+    runs[name] = run
+    if run.status == "ok":
+        return Point(**point, run=name, status=MEASURED)
+    needs = run.info.get("min_budget_bytes")
+    if needs is not None:
+        return Point(**point, run=None, status=DOES_NOT_FIT, min_budget_bytes=int(needs),
+                     note=f"no plan fits; the smallest budget the solver meets is {needs / 1e6:.1f} MB "
+                          f"({needs / gc_peak:.3f} x GC)")
+    return Point(**point, run=None, status=FAILED, note=(run.error or "").splitlines()[0][:120])
+
+
+def same_plan_run(runs: dict[str, MethodRun], method: str, info: dict[str, Any]) -> str | None:
+    """The run already measured whose step runs the decisions ``info``'s plan runs, or None.
+
+    Two plans run the same compiled step when the bucket the step runs has
+    the same decisions (``plan["bucket_digests"]``), whatever the other
+    buckets or the budget: e.g. HiLoRe's bucket b1 and the exposure-blind plan
+    at one ceiling, or one method at two ceilings that both hold its plan.
+    Eager-loss and whole-step methods compile different graphs and never match.
+    """
+    digest = _step_digest(info)
+    if digest is None:
+        return None
+    for name, run in runs.items():
+        if (run.status == "ok" and (run.method in STEP_METHODS) == (method in STEP_METHODS)
+                and _step_digest(run.info) == digest):
+            return name
+    return None
+
+
+def _step_digest(info: dict[str, Any]) -> str | None:
+    """The digest of the decisions the step runs under its bucket, or None without a plan."""
+    return info.get("plan", {}).get("bucket_digests", {}).get(info.get("bucket"))
+
+
+def _pt_budget_points(launcher: Launcher, runs: dict[str, MethodRun],
+                      progress: Progress) -> tuple[list[Point], tuple[Probe, ...]]:
+    """Compile every probe of the grid once; at each ceiling keep the fastest that fits
+    (``search.choose`` without slack: the report holds every point to the ceiling itself)."""
+    config, gc_peak = launcher.config, launcher.gc_peaks.get("gc")
+    tried: dict[str, MethodRun] = {}
+    for budget in grid(config.budget_probes):
+        run = launcher.start("pt-budget", tag=f"@{budget:g}", budget=budget)
+        tried[run.name] = run
+        if run.status == "ok":
+            progress(f"pt-budget: budget {budget:g} -> peak {warm_peak(run) / 1e6:.1f} MB, "
+                     f"{warm_seconds(run) or 0.0:.3f} s/step")
+    probes = {name: Probe(budget=r.worker_config.options.activation_memory_budget, peak_bytes=warm_peak(r),
+                          seconds=warm_seconds(r), error=r.error) for name, r in tried.items()}
+    points = []
+    for ceiling in config.ceilings:
+        point = {"method": "pt-budget", "ceiling": ceiling}
+        best = choose(list(probes.values()), ceiling * gc_peak, 0.0) if gc_peak else None
+        if best is None:
+            points.append(Point(**point, run=None, status=FAILED, note="no probe ran"))
+        elif best.peak_bytes > ceiling * gc_peak:
+            points.append(Point(**point, run=None, status=DOES_NOT_FIT,
+                                note=f"no probe fits: the smallest measured peak is {best.peak_bytes / 1e6:.1f} MB "
+                                     f"(budget {best.budget:g})"))
+        else:
+            name = next(n for n, p in probes.items() if p is best)
+            points.append(Point(**point, run=name, status=MEASURED, note=f"budget {best.budget:g}, the fastest "
+                                f"of {len(probes)} probes that fits"))
+    chosen = {p.run for p in points if p.run}
+    for name, run in tried.items():
+        if name in chosen or run.status != "ok":
+            runs[name] = run
+        else:
+            close_workers([run])  # fits no ceiling faster than another probe: not measured in the rounds
+    return points, tuple(probes.values())

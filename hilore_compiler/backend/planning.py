@@ -115,11 +115,6 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) 
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def solve_for(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> Plan:
-    """The plan the options ask for, solved from ``trace`` at (batch, seq_len)."""
-    return solve_lengths(trace, options, batch, (seq_len, seq_len))[0]
-
-
 def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
     """The plans the options ask for over ``seq_range``: one per length bucket, shortest first.
 
@@ -287,7 +282,9 @@ class GraphPlanner:
     def plan_at(self, seq_len: int) -> Plan | None:
         if not self.plans:
             return None
-        return next((p for p in self.plans if p.covers(seq_len)), self.plans[-1])
+        from ..solver.lengths import plan_for_length
+
+        return plan_for_length(self.plans, seq_len) or self.plans[-1]
 
     def plans_for(self, batch: int, seq_len: int) -> bool:
         """Re-solve the plans when a call's shape lies outside what they hold for; True if they changed.
@@ -299,8 +296,7 @@ class GraphPlanner:
         if not self.dynamic or (batch <= self.planned_batch and lo <= seq_len <= hi):
             return False
         if not self._load_trace():
-            # Nothing to re-solve from: the plans stay, and later calls stop asking.
-            self.planned_batch, self.seq_range = max(batch, self.planned_batch), (min(lo, seq_len), max(hi, seq_len))
+            self.keep_plans(batch, seq_len)  # nothing to re-solve from
             return False
         self.planned_batch = max(batch, self.planned_batch)
         self.seq_range = planned_range(self.options, seq_len, self.seq_range)
@@ -308,6 +304,11 @@ class GraphPlanner:
             self.planned_batch, *self.seq_range))
         self.plans = solve_lengths(self.trace, self.options, self.planned_batch, self.seq_range)
         return True
+
+    def keep_plans(self, batch: int, seq_len: int) -> None:
+        """Let the plans stand for this shape too, so that later calls stop asking to re-solve."""
+        lo, hi = self.seq_range
+        self.planned_batch, self.seq_range = max(batch, self.planned_batch), (min(lo, seq_len), max(hi, seq_len))
 
     def ceiling_at(self, batch: int, seq_len: int) -> int | None:
         """The memory ceiling at one shape (``ceiling_at``), or None without a trace."""

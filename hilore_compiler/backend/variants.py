@@ -112,9 +112,7 @@ class VariantTable:
         except Exception as error:  # planning never stops training
             if self.planner.options.strict:
                 raise
-            self.planner.seq_range = (min(self.planner.seq_range[0], seq_len),
-                                      max(self.planner.seq_range[1], seq_len))
-            self.planner.planned_batch = max(self.planner.planned_batch, batch)
+            self.planner.keep_plans(batch, seq_len)
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"hilore: could not re-plan for batch {batch}, sequence {seq_len} "

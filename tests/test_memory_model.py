@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from hilore_compiler.planfile import RECOMPUTE, STORE
 from hilore_compiler.solver import BucketSpec, cost_model, simulate, solve
 from hilore_compiler.solver.memory import kept_by_segment, rule_violations
+from hilore_compiler.solver.planner import InfeasibleBudgetError
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 from hilore_compiler.tracefile import RecoveryUnit, Trace
 from hilore_compiler.vocabulary import READ_PAST_UNITS
@@ -250,3 +253,32 @@ def test_backward_frees_the_kept_bytes_of_layers_it_has_finished():
     assert (model.step.freed("layer 1", kept_by), model.step.freed("layer 0", kept_by)) == (1000, 1260)
     got = solve(trace, kept + bw, risk_budget=1.0, buckets=ONE_BUCKET, codecs=["int8"])
     assert dict(got.bucket("b").decisions)["u2"] == STORE and got.bucket("b").memory_bytes <= kept + bw
+
+
+def test_a_unit_read_by_later_layers_is_held_from_their_backward():
+    """An attention mask made in layer 0 and read by every layer (``read_until``
+    in layer 2) is, when recomputed, rebuilt in layer 2's backward, the first
+    to need it, and held through layers 1 and 0 while kept bytes are still
+    alive: it saves nothing over storing it. Counted in layer 0's backward
+    alone, after layers 1 and 2 freed their kept bytes, recomputing looked
+    1000 bytes cheaper (a Hugging Face Llama's plans measured up to 10% over
+    their predictions)."""
+    mask = RecoveryUnit(
+        key="mask", layer=0, kind="attn.sdpa", op="where", dtype="float32", bytes="1000", bytes_at_trace=1000,
+        recompute_from=(), recompute_transient="0", recompute_time_s=1e-3, recompute_flops=0,
+        recompute_source="test", recomputable=True, not_recomputable_reason=None, codecs={}, sensitivity={},
+        read_until="u2")
+    stack = _stack_trace(3)
+    trace = dataclasses.replace(stack, units=(mask, *stack.units), store_bytes="4000")
+    model = _model(trace)
+    assert [(u.key, cut) for u, cut in model.segments[1].carried] == [("mask", 1)]  # layer 1, wholly
+    assert [s.name for s in model.segments] == ["layer 0", "layer 1", "layer 2"]
+    bw = model.step.backward_bytes["layer 2"]
+    recompute = {"mask": RECOMPUTE, "u0": STORE, "u1": STORE, "u2": STORE}
+    p = simulate(model, recompute)
+    assert set(model.step.backward_bytes.values()) == {bw}
+    assert p.peak.at == "backward of layer 2" and p.memory_bytes == 3000 + 1000 + bw
+    assert simulate(model, {**recompute, "mask": STORE}).memory_bytes == 4000 + bw
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(trace, 3000 + bw, risk_budget=1.0, buckets=ONE_BUCKET, codecs=[])
+    assert info.value.min_budget_bytes == 4000 + bw

@@ -72,9 +72,12 @@ def _check_plan_obeys_model(trace: Trace, decisions: dict[str, str], budget: int
     assert plan_risk(model, decisions, mass) <= risk_budget * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("read_until", [False, True], ids=["windows-in-segment", "read-across-segments"])
 @pytest.mark.parametrize("seed", range(10))
-def test_ilp_matches_brute_force_optimum(seed):
-    trace = random_trace(seed, num_units=4 + seed % 3)
+def test_ilp_matches_brute_force_optimum(seed, read_until):
+    """With ``read_until``, units are also read by later segments (an attention
+    mask every layer reads): the ILP holds them there as the model does."""
+    trace = random_trace(seed, num_units=4 + seed % 3, read_until=read_until)
     plans = brute_force(trace, 1.0, RISK)
     least = min(m for m, _ in plans)
     top = max(least, trace_bytes(trace))

@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..passes.annotate import is_activation
 from ..passes.apply import apply_decisions, in_forward
-from ..passes.capture import saved_output_names
+from ..passes.capture import merge_duplicates, saved_output_names
 from ..passes.sizes import size_hint
 from ..planfile import Plan
 
@@ -158,6 +158,7 @@ class PlanPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()
+        merge_duplicates(gm)  # units are those of the graph min-cut partitions
         units, decisions = self.planner.prepare(gm, joint_inputs, self.plan, self.bucket, **kwargs)
         self.plan_used, self.bucket_used = self.plan or self.planner.plan, decisions.bucket
         record = PartitionRecord(bucket=decisions.bucket or "inductor", units=len(units),

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._functorch import config as functorch_config
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -48,6 +50,24 @@ class GraphCapture:
     #: True when the joint graph's inputs could not be matched to the real
     #: ones and values come from random inputs of the right shapes.
     synthetic_values: bool = False
+
+
+def merge_duplicates(joint: fx.GraphModule) -> fx.GraphModule:
+    """Merge ``joint``'s duplicate nodes in place, as min-cut does before it partitions.
+
+    Units must be found on the graph min-cut partitions. A Hugging Face
+    Llama builds its attention mask once per layer in the joint graph (``where``
+    and ``where_1``); min-cut merges them into one tensor that every layer's
+    attention backward reads. Unmerged, the mask looked like layer 0's alone
+    (needed only through layer 0's backward) and like something layer 1
+    rebuilt for itself, so a plan recomputing it was predicted 10% under its
+    measured peak (``tests/test_dynamic_hf.py``). Node names and meta are kept.
+    """
+    joint.graph.eliminate_dead_code()
+    if functorch_config.cse:
+        joint.graph = fx_graph_cse(joint.graph)
+    joint.recompile()
+    return joint
 
 
 def saved_output_names(fw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
@@ -145,7 +165,9 @@ def primal_values(primals: Sequence[object], real_args: Sequence[object] | None)
 
 def capture_joint(joint: fx.GraphModule, joint_inputs: Sequence[object], real_args: Sequence[object] | None,
                   *, index: int = 0, record_values: bool = True, **kwargs: Any) -> GraphCapture:
-    """The default partition of ``joint`` and, with ``record_values``, its forward values."""
+    """The default partition of ``joint`` (its duplicates merged in place: ``merge_duplicates``)
+    and, with ``record_values``, its forward values."""
+    merge_duplicates(joint)
     fw, bw, saved = default_partition(joint, joint_inputs, **kwargs)
     capture = GraphCapture(index, joint, fw, bw, saved)
     if record_values:

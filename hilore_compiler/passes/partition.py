@@ -15,7 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .annotate import UnitNodes, annotate_units
 from .apply import apply_decisions
-from .capture import default_partition
+from .capture import default_partition, merge_duplicates
 
 
 @dataclass(slots=True)
@@ -38,6 +38,7 @@ def partition_with_decisions(joint: fx.GraphModule, joint_inputs: Sequence[objec
     knows them already (they define the units); otherwise min-cut runs once
     more on a light copy to learn them.
     """
+    merge_duplicates(joint)
     if saved_names is None:
         saved_names = default_partition(joint, joint_inputs, **kwargs)[2]
     units = annotate_units(joint, saved_names)

@@ -144,7 +144,7 @@ class _Bucket:
         for s, segment in enumerate(self.model.segments):
             units = segment.units
             floor = step.backward_bytes.get(segment.name, 0) / byte_unit
-            if all(u.options == (STORE,) for u in units):
+            if all(u.options == (STORE,) for u in (*units, *(c for c, _ in segment.carried))):
                 self.T[segment.name] = floor  # nothing rebuilt
                 continue
             T = self.T[segment.name] = _variable(prob, f"T_transient_{self.tag}_{s}", low=floor)
@@ -162,6 +162,8 @@ class _Bucket:
                 alive = [u.bytes / byte_unit * (1 - self.x[u.key, STORE])
                          for i, u in enumerate(units) if cut in segment.window(i)]
                 alive += [units[i].bytes / byte_unit * z for (i, p), z in early.items() if p == cut]
+                # Other segments' units backward rebuilt before reaching their own.
+                alive += [u.bytes / byte_unit * (1 - self.x[u.key, STORE]) for u in segment.carried_at(cut)]
                 prob += T >= pulp.lpSum(alive) + workspace + rest, f"transient_{self.tag}_{s}_{cut}"
 
     def _rebuilt_early(self, s: int, segment: Segment) -> dict[tuple[int, int], pulp.LpVariable]:

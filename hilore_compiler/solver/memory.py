@@ -89,6 +89,7 @@ attention's quadratic part, which this underestimates for longer sequences).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -165,6 +166,10 @@ class Segment:
     needed_until: tuple[int, ...]
     #: Per unit: the indices of the segment's units whose recomputation reads it.
     readers: tuple[tuple[int, ...], ...]
+    #: Units of other segments that backward rebuilds before it reaches their
+    #: own (``carried_units``), each with the last cut here that holds it
+    #: when it is not stored: every cut up to it.
+    carried: tuple[tuple[UnitCost, int], ...] = ()
 
     def window(self, i: int) -> range:
         """The cuts at which unit ``i`` is needed for its own readers' gradients."""
@@ -179,7 +184,11 @@ class Segment:
         reader's), and a sum of such intervals peaks at one of their ends:
         moving right from anywhere else loses no interval.
         """
-        return tuple(sorted(set(self.needed_until)))
+        return tuple(sorted({*self.needed_until, *(cut for _, cut in self.carried)}))
+
+    def carried_at(self, cut: int) -> tuple[UnitCost, ...]:
+        """The other segments' units this cut holds when they are not stored."""
+        return tuple(u for u, last in self.carried if cut <= last)
 
 
 def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
@@ -193,6 +202,7 @@ def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
     log-prob chunk's logits feed the loss's one saved ratio).
     """
     grouped = _segments(units)
+    carried = carried_units(grouped)
     segments = []
     for name, us in grouped.items():
         index = {u.key: i for i, u in enumerate(us)}
@@ -206,8 +216,40 @@ def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
             for u, r in zip(us, readers)
         )
         segments.append(Segment(name=name, units=tuple(us), needed_until=needed,
-                                readers=tuple(tuple(r) for r in readers)))
+                                readers=tuple(tuple(r) for r in readers), carried=carried.get(name, ())))
     return tuple(segments)
+
+
+def carried_units(grouped: Mapping[str, Sequence[UnitCost]]) -> dict[str, tuple[tuple[UnitCost, int], ...]]:
+    """Per segment: the units of other segments alive in its backward when not
+    stored, each with the last cut that holds it (``Segment.carried``).
+
+    A unit read by a later segment (its ``read_until`` there) is rebuilt or
+    decoded where backward first needs it, in that segment, and lives until
+    backward is past its own: through that segment's cuts up to its reader's
+    and every segment between. A Hugging Face Llama's attention mask is
+    layer 0's unit read by every layer; recomputed, it was counted in layer
+    0's backward only, and the plan measured 10% over its prediction.
+    Backward meets the segments from the head (``outside``) down the layers;
+    ``outside`` also holds the embedding, whose backward comes last.
+    """
+    where = {u.key: (g, i) for g, us in grouped.items() for i, u in enumerate(us)}
+    layers = {g: us[0].layer for g, us in grouped.items() if g != "outside"}
+    carried: dict[str, list[tuple[UnitCost, int]]] = {}
+    for g, us in grouped.items():
+        for u in us:
+            reader = where.get(u.read_until or "")
+            if reader is None or reader[0] == g:
+                continue
+            b, j = reader
+            carried.setdefault(b, []).append((u, max(j, 1)))
+            # The layers backward passes between the reader's segment and u's own.
+            top = layers.get(b, math.inf)
+            bottom = layers.get(g, -math.inf)
+            for h, layer in layers.items():
+                if bottom < layer < top:
+                    carried.setdefault(h, []).append((u, len(grouped[h])))
+    return {g: tuple(c) for g, c in carried.items()}
 
 
 def rebuilt_from(segment: Segment, decisions: Mapping[str, str]) -> list[int]:
@@ -345,14 +387,15 @@ def peak_parts(model: CostModel, decisions: Mapping[str, str]) -> PeakParts:
     worst = max(model.step.phases(kept), key=lambda p: p.total)
     for segment in model.segments:
         rebuilt = [i for i, u in enumerate(segment.units) if decisions[u.key] != STORE]
-        if not rebuilt:
+        if not rebuilt and all(decisions[u.key] == STORE for u, _ in segment.carried):
             continue
         first = rebuilt_from(segment, decisions)
         workspace = max((u.recompute_transient for u in segment.units if decisions[u.key] == RECOMPUTE),
                         default=0)
         freed = model.step.freed(segment.name, kept)
         for cut in segment.peak_cuts:
-            alive = sum(segment.units[i].bytes for i in rebuilt if i < cut <= first[i])
+            alive = (sum(segment.units[i].bytes for i in rebuilt if i < cut <= first[i])
+                     + sum(u.bytes for u in segment.carried_at(cut) if decisions[u.key] != STORE))
             parts = model.step.segment(segment.name, rebuilt=alive, workspace=workspace, freed=freed)
             if parts.total > worst.total:
                 worst = parts

@@ -8,10 +8,12 @@ only in its recompute time, as with a flash kernel that saves no S x S matrix.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 from ..tracefile import CodecCost, RecoveryUnit, Trace
+from ..vocabulary import READ_PAST_UNITS
 
 #: Codec error on a typical activation: bf16 keeps 8 mantissa bits (rms relative
 #: rounding error ~2^-9/sqrt(3)); int8 row-wise absmax on a ~4-sigma row max has
@@ -181,12 +183,14 @@ def _random_codecs(rng: random.Random, nbytes: int, codecs: tuple[str, ...]) -> 
 
 
 def random_trace(seed: int, num_units: int = 5, *, codecs: tuple[str, ...] = ("bf16", "int8"),
-                 calibrated_share: float = 0.5) -> Trace:
+                 calibrated_share: float = 0.5, read_until: bool = False) -> Trace:
     """A small random unit graph (sizes are constants) for checks against brute force.
 
     Units draw a layer (0, 1 or outside), bytes, recompute inputs among earlier
     units, a recompute workspace, codecs (some unusable) and, for a share of
     the codecs, a calibrated sensitivity; the rest fall back to the proxy.
+    ``read_until``: each unit also draws the unit backward last needs it at,
+    any later one, in its segment or another (``memory.carried_units``).
     """
     rng = random.Random(seed)
     units: list[RecoveryUnit] = []
@@ -205,9 +209,13 @@ def random_trace(seed: int, num_units: int = 5, *, codecs: tuple[str, ...] = ("b
             codecs=unit_codecs,
             sensitivity={c: rng.uniform(0.005, 0.1) for c in unit_codecs if rng.random() < calibrated_share},
         ))
+    if read_until:
+        keys = [u.key for u in units]
+        units = [dataclasses.replace(u, read_until=rng.choice([*keys[i + 1:], READ_PAST_UNITS]))
+                 for i, u in enumerate(units)]
     total = sum(u.bytes_at_trace for u in units)
     return Trace(
-        fingerprint=f"random-{seed}-{num_units}", model=f"random-{num_units}u", batch=1, seq_len=1,
+        fingerprint=f"random-{seed}-{num_units}" + ("-read" if read_until else ""), model=f"random-{num_units}u", batch=1, seq_len=1,
         device="none", cost_source="random", units=tuple(units), gc_bytes=str(total // 2),
         store_bytes=str(total), num_layers=2,
     )

@@ -401,6 +401,33 @@ def test_buckets_stopped_early_never_lose_to_the_exposure_blind_plan(monkeypatch
     assert result.objective == pytest.approx(expected_time_s(model, weights, result.decisions))
 
 
+def test_least_memory_stopped_early_never_needs_more_than_the_exposure_blind_plan(monkeypatch):
+    """The same for the smallest feasible budget: stopped early with store-all
+    in every bucket, the least-memory plans are the blind plan's, so a ceiling
+    the blind plan meets is never refused to the bucketed one."""
+    from hilore_compiler.solver import solving
+    from hilore_compiler.solver.solving import IlpResult
+
+    trace = random_trace(3, num_units=6)
+    model = _model(trace)
+    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
+    store_all = {w.name: {u.key: STORE for u in model.units} for w in weights}
+    store_bytes = simulate(model, store_all["b0"]).memory_bytes
+    real_run = solving._run
+
+    def stopped_early(problem, options, scale, start=None):
+        if len(problem.weights) == 1:
+            return real_run(problem, options, scale, start)
+        return IlpResult(decisions=store_all, status="feasible", seconds=1.0, objective=store_bytes, bound=0.0)
+
+    monkeypatch.setattr(solving, "_solve_apart", lambda *a, **k: None)
+    monkeypatch.setattr(solving, "_run", stopped_early)
+    result = solving.solve_min_memory(model, weights=weights, risk_budget=RISK, options=QUICK)
+    assert result.decisions["b0"] == result.decisions["b1"] != store_all["b0"]
+    assert result.objective < store_bytes and result.status == "feasible"
+    assert result.objective == simulate(model, result.decisions["b0"]).memory_bytes
+
+
 def test_a_plan_file_is_not_a_trace(tmp_path):
     trace = random_trace(1, num_units=4)
     path = solve(trace, "0.9x-store").save(tmp_path / "plan.json")

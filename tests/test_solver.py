@@ -224,6 +224,27 @@ def test_the_buckets_plans_differ_where_the_error_budget_binds():
     assert sum(b.sample_share * b.time_s for b in solved) < sum(b.sample_share * b.time_s for b in blind)
 
 
+def test_buckets_that_do_not_pay_their_compile_run_the_blind_plan(monkeypatch):
+    """Distinct plans per bucket are kept only where they save
+    ``EXPOSURE_BUCKET_PRICE`` of the blind plan's expected time. On the lossy
+    trace they save far more than 2%; priced above what they save, every bucket
+    runs the exposure-blind plan, and the plan says why."""
+    from hilore_compiler.solver import planner
+    from hilore_compiler.solver.fixed import exposure_blind_plan
+
+    model = _model(_lossy_trace())
+    budget = 6 * 260 + 1000 + max(model.step.backward_bytes.values())
+    kept = solve(_lossy_trace(), budget)
+    mixed_s = lambda plan: sum(b.sample_share * b.time_s for b in plan.buckets if not b.skip)  # noqa: E731
+    blind = exposure_blind_plan(_lossy_trace(), budget)
+    saved = 1 - mixed_s(kept) / mixed_s(blind)
+    assert saved > planner.EXPOSURE_BUCKET_PRICE and not any("one plan in every" in n for n in kept.notes)
+    monkeypatch.setattr(planner, "EXPOSURE_BUCKET_PRICE", saved + 0.01)
+    collapsed = solve(_lossy_trace(), budget)
+    assert {b.decisions for b in collapsed.buckets if not b.skip} == {blind.buckets[-1].decisions}
+    assert any(f"would save {saved:.1%}" in n for n in collapsed.notes), collapsed.notes
+
+
 def test_cosine_target_maps_to_the_error_budget():
     assert parse_risk_budget("cos>=0.999") == pytest.approx(1 - 0.999**2)
     assert parse_risk_budget(None) == parse_risk_budget(DEFAULT_RISK_BUDGET) == cosine_to_error2(0.999)

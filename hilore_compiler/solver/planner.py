@@ -21,8 +21,8 @@ from ..tracefile import Trace, load_trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc
-from .ilp import BucketWeight
-from .solving import solve_min_memory, solve_min_time
+from .ilp import BucketWeight, expected_time_s
+from .solving import blind_min_time, solve_min_memory, solve_min_time
 from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, zero_share
 from .risk import (
@@ -217,6 +217,37 @@ def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_t
     return plans, stats
 
 
+#: The share of the exposure-blind plan's expected recovery time that
+#: distinct plans per exposure bucket must save to be kept. Each distinct plan
+#: is one more compiled variant of every graph (compile time, code memory, a
+#: dispatch per call); below this the buckets all run the blind plan, which
+#: the joint problem allows (the error shares sum to 1). The same price as a
+#: length bucket's (``solver.lengths.LENGTH_BUCKET_PRICE``).
+EXPOSURE_BUCKET_PRICE = 0.02
+
+
+def buckets_that_pay(model: CostModel, weights: Sequence[BucketWeight], plans: dict[str, dict[str, str]], *,
+                     budget_bytes: int, risk_budget: float,
+                     options: SolverOptions) -> tuple[dict[str, dict[str, str]], str | None]:
+    """``plans``, or the exposure-blind plan in every bucket where ``plans`` save
+    less than ``EXPOSURE_BUCKET_PRICE`` of its expected time; and a note saying so (or None)."""
+    if len({tuple(sorted(d.items())) for d in plans.values()}) < 2:
+        return plans, None
+    blind = blind_min_time(model, weights, budget_bytes=budget_bytes, risk_budget=risk_budget, options=options)
+    if blind is None:
+        return plans, None
+    joint_s, blind_s = expected_time_s(model, weights, plans), expected_time_s(model, weights, blind)
+    if joint_s < blind_s * (1 - EXPOSURE_BUCKET_PRICE):
+        return plans, None
+    for d in blind.values():
+        verify(model, d, budget_bytes=budget_bytes)
+    verify_risk(model, blind, weights, risk_budget)
+    saved = 1 - joint_s / blind_s if blind_s > 0 else 0.0
+    return blind, (f"one plan in every exposure bucket: distinct plans would save {saved:.1%} of its expected "
+                   f"recovery time ({format_seconds(joint_s)} against {format_seconds(blind_s)}), under the "
+                   f"{EXPOSURE_BUCKET_PRICE:.0%} a bucket's compiled variant must pay")
+
+
 def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, str], *,
                 solver: SolverStats | None, notes: tuple[str, ...] = ()) -> BucketPlan:
     """One bucket's record: decisions in trace order and their re-simulated predictions."""
@@ -346,6 +377,10 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
     headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
     plans, stats = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
                                  risk_budget=error2, options=options, gc_bytes=gc_peak_bytes, headroom=headroom)
+    plans, collapsed = buckets_that_pay(model, weights, plans, budget_bytes=math.floor(budget_bytes * (1 - headroom)),
+                                        risk_budget=error2, options=options)
+    if collapsed:
+        say(collapsed)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]
     for b in solved:
         say(_summary(b))
@@ -354,6 +389,8 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         f"{math.sqrt(total):.3g} (cos >= {error2_to_cosine(total):.6g})")
     notes = [*trace.notes, f"risk: predicted squared relative gradient error of the whole update, "
              f"budget {error2:.4g} = cos >= {error2_to_cosine(error2):.6g}; mix of {len(exposures)} samples"]
+    if collapsed:
+        notes.append(collapsed)
     if gc_peak_bytes is not None:
         notes.append(f"x-gc budget relative to GC's measured peak {gc_peak_bytes} bytes "
                      f"(predicted {model.gc_bytes}); predicted peaks kept {headroom:.0%} under it "

@@ -143,6 +143,14 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     return result
 
 
+def blind_min_time(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int, risk_budget: float,
+                   options: SolverOptions) -> dict[str, dict[str, str]] | None:
+    """The exposure-blind plans within ``budget_bytes``: one bucket's fastest plan at
+    error share 1, in every bucket; None for one bucket, or where it fits no plan."""
+    make = functools.partial(min_time_problem, budget_bytes=budget_bytes)
+    return _blind_plans(model, weights, make, risk_budget, options)
+
+
 def _blind_plans(model: CostModel, weights: Sequence[BucketWeight], make: Callable[..., tuple[JointProblem, float]],
                  risk_budget: float, options: SolverOptions) -> dict[str, dict[str, str]] | None:
     """One bucket's best plan (by ``make``'s objective: time or memory) at error

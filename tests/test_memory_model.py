@@ -271,7 +271,7 @@ def test_a_unit_read_by_later_layers_is_held_from_their_backward():
     stack = _stack_trace(3)
     trace = dataclasses.replace(stack, units=(mask, *stack.units), store_bytes="4000")
     model = _model(trace)
-    assert [(u.key, cut) for u, cut in model.segments[1].carried] == [("mask", 1)]  # layer 1, wholly
+    assert [(u.key, first, last) for u, first, last in model.segments[1].carried] == [("mask", 1, 1)]  # all of it
     assert [s.name for s in model.segments] == ["layer 0", "layer 1", "layer 2"]
     bw = model.step.backward_bytes["layer 2"]
     recompute = {"mask": RECOMPUTE, "u0": STORE, "u1": STORE, "u2": STORE}

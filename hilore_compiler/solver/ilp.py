@@ -144,7 +144,7 @@ class _Bucket:
         for s, segment in enumerate(self.model.segments):
             units = segment.units
             floor = step.backward_bytes.get(segment.name, 0) / byte_unit
-            if all(u.options == (STORE,) for u in (*units, *(c for c, _ in segment.carried))):
+            if all(u.options == (STORE,) for u in (*units, *(c for c, _, _ in segment.carried))):
                 self.T[segment.name] = floor  # nothing rebuilt
                 continue
             T = self.T[segment.name] = _variable(prob, f"T_transient_{self.tag}_{s}", low=floor)

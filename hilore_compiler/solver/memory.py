@@ -167,9 +167,9 @@ class Segment:
     #: Per unit: the indices of the segment's units whose recomputation reads it.
     readers: tuple[tuple[int, ...], ...]
     #: Units of other segments that backward rebuilds before it reaches their
-    #: own (``carried_units``), each with the last cut here that holds it
-    #: when it is not stored: every cut up to it.
-    carried: tuple[tuple[UnitCost, int], ...] = ()
+    #: own (``carried_units``), each with the first and last cut here that
+    #: hold it when it is not stored.
+    carried: tuple[tuple[UnitCost, int, int], ...] = ()
 
     def window(self, i: int) -> range:
         """The cuts at which unit ``i`` is needed for its own readers' gradients."""
@@ -181,14 +181,15 @@ class Segment:
 
         A unit is alive over the cuts from just after itself to where it is
         rebuilt, one of the ``needed_until`` (``rebuilt_from`` only moves it to a
-        reader's), and a sum of such intervals peaks at one of their ends:
-        moving right from anywhere else loses no interval.
+        reader's), a carried unit over cuts ending at its last one, and a sum
+        of such intervals peaks at one of their ends: moving right from
+        anywhere else loses no interval.
         """
-        return tuple(sorted({*self.needed_until, *(cut for _, cut in self.carried)}))
+        return tuple(sorted({*self.needed_until, *(last for _, _, last in self.carried)}))
 
     def carried_at(self, cut: int) -> tuple[UnitCost, ...]:
         """The other segments' units this cut holds when they are not stored."""
-        return tuple(u for u, last in self.carried if cut <= last)
+        return tuple(u for u, first, last in self.carried if first <= cut <= last)
 
 
 def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
@@ -202,7 +203,7 @@ def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
     log-prob chunk's logits feed the loss's one saved ratio).
     """
     grouped = _segments(units)
-    carried = carried_units(grouped)
+    carried = carried_units(units, grouped)
     segments = []
     for name, us in grouped.items():
         index = {u.key: i for i, u in enumerate(us)}
@@ -220,35 +221,32 @@ def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def carried_units(grouped: Mapping[str, Sequence[UnitCost]]) -> dict[str, tuple[tuple[UnitCost, int], ...]]:
+def carried_units(units: Sequence[UnitCost],
+                  grouped: Mapping[str, Sequence[UnitCost]]) -> dict[str, tuple[tuple[UnitCost, int, int], ...]]:
     """Per segment: the units of other segments alive in its backward when not
-    stored, each with the last cut that holds it (``Segment.carried``).
+    stored, each with the cuts that hold it (``Segment.carried``).
 
-    A unit read by a later segment (its ``read_until`` there) is rebuilt or
-    decoded where backward first needs it, in that segment, and lives until
-    backward is past its own: through that segment's cuts up to its reader's
-    and every segment between. A Hugging Face Llama's attention mask is
-    layer 0's unit read by every layer; recomputed, it was counted in layer
-    0's backward only, and the plan measured 10% over its prediction.
-    Backward meets the segments from the head (``outside``) down the layers;
-    ``outside`` also holds the embedding, whose backward comes last.
+    A unit read by another segment's unit (its ``read_until`` there) is rebuilt
+    or decoded where backward first needs it and lives until backward is past
+    the unit itself. Backward runs the units in reverse forward order, so it is
+    alive at every cut, in any other segment, of the units forward made after
+    it up to its reader. A Hugging Face Llama's attention mask is layer 0's
+    unit read by every layer; recomputed, it was counted in layer 0's backward
+    only, and the plan measured 10% over its prediction. ``outside`` holds units
+    at both ends of forward and between layers, hence cuts, not whole segments.
+    (Its own segment already holds it to the end: ``backward_segments``.)
     """
-    where = {u.key: (g, i) for g, us in grouped.items() for i, u in enumerate(us)}
-    layers = {g: us[0].layer for g, us in grouped.items() if g != "outside"}
-    carried: dict[str, list[tuple[UnitCost, int]]] = {}
-    for g, us in grouped.items():
-        for u in us:
-            reader = where.get(u.read_until or "")
-            if reader is None or reader[0] == g:
-                continue
-            b, j = reader
-            carried.setdefault(b, []).append((u, max(j, 1)))
-            # The layers backward passes between the reader's segment and u's own.
-            top = layers.get(b, math.inf)
-            bottom = layers.get(g, -math.inf)
-            for h, layer in layers.items():
-                if bottom < layer < top:
-                    carried.setdefault(h, []).append((u, len(grouped[h])))
+    order = {u.key: i for i, u in enumerate(units)}
+    carried: dict[str, list[tuple[UnitCost, int, int]]] = {}
+    for u in units:
+        last = order.get(u.read_until or "")
+        if last is None:
+            continue
+        own = group_of(u.layer)
+        for g, us in grouped.items():
+            between = [p for p, v in enumerate(us) if order[u.key] < order[v.key] <= last]
+            if g != own and between:
+                carried.setdefault(g, []).append((u, max(between[0], 1), max(between[-1], 1)))
     return {g: tuple(c) for g, c in carried.items()}
 
 
@@ -387,7 +385,7 @@ def peak_parts(model: CostModel, decisions: Mapping[str, str]) -> PeakParts:
     worst = max(model.step.phases(kept), key=lambda p: p.total)
     for segment in model.segments:
         rebuilt = [i for i, u in enumerate(segment.units) if decisions[u.key] != STORE]
-        if not rebuilt and all(decisions[u.key] == STORE for u, _ in segment.carried):
+        if not rebuilt and all(decisions[u.key] == STORE for u, _, _ in segment.carried):
             continue
         first = rebuilt_from(segment, decisions)
         workspace = max((u.recompute_transient for u in segment.units if decisions[u.key] == RECOMPUTE),

@@ -89,7 +89,6 @@ attention's quadratic part, which this underestimates for longer sequences).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 

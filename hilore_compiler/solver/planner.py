@@ -187,8 +187,10 @@ def least_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budg
 
 def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_text: str,
                   budget_bytes: int, risk_budget: float, options: SolverOptions, gc_bytes: int | None = None,
-                  headroom: float = 0.0) -> tuple[dict[str, dict[str, str]], SolverStats]:
-    """The joint plans (``{bucket: {unit: option}}``), checked; InfeasibleBudgetError if none fit.
+                  headroom: float = 0.0) -> tuple[dict[str, dict[str, str]], SolverStats, str | None]:
+    """The joint plans (``{bucket: {unit: option}}``), checked, the blind plan's in every
+    bucket where distinct ones do not pay (``buckets_that_pay``), with that note or None;
+    InfeasibleBudgetError if none fit.
 
     ``gc_bytes``: the GC peak ``x-gc`` budgets are relative to (default: the
     model's prediction). ``headroom``: the share of ``budget_bytes`` the
@@ -214,7 +216,9 @@ def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_t
     # One solve for all buckets: each bucket reports the joint problem's stats.
     stats = SolverStats(status=result.status, seconds=least.seconds + result.seconds,
                         objective=result.objective, gap=result.gap)
-    return plans, stats
+    plans, collapsed = buckets_that_pay(model, weights, plans, budget_bytes=ceiling, risk_budget=risk_budget,
+                                        options=options)
+    return plans, stats, collapsed
 
 
 #: The share of the exposure-blind plan's expected recovery time that
@@ -375,10 +379,9 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
     # keeps headroom for the memory model's error; a modelled one is compared
     # with the model's own prediction of GC and needs none.
     headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
-    plans, stats = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
-                                 risk_budget=error2, options=options, gc_bytes=gc_peak_bytes, headroom=headroom)
-    plans, collapsed = buckets_that_pay(model, weights, plans, budget_bytes=math.floor(budget_bytes * (1 - headroom)),
-                                        risk_budget=error2, options=options)
+    plans, stats, collapsed = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
+                                            risk_budget=error2, options=options, gc_bytes=gc_peak_bytes,
+                                            headroom=headroom)
     if collapsed:
         say(collapsed)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]

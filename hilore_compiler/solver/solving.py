@@ -135,11 +135,18 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     if result is not None and result.status != "optimal":
         # Stopped early: never return plans slower than the known ones, nor
         # than the exposure-blind plan, a point of the same problem.
-        for known in (start, _blind_plans(model, weights, make, risk_budget, options)):
-            known_s = None if known is None else expected_time_s(model, weights, known)
-            if known_s is not None and known_s < result.objective:
-                result = dataclasses.replace(result, decisions={k: dict(v) for k, v in known.items()},
-                                             objective=known_s)
+        result = _no_worse_than(result, (start, _blind_plans(model, weights, make, risk_budget, options)),
+                                lambda plans: expected_time_s(model, weights, plans))
+    return result
+
+
+def _no_worse_than(result: IlpResult, known: Sequence[Mapping[str, Mapping[str, str]] | None],
+                   objective: Callable[[Mapping[str, Mapping[str, str]]], float]) -> IlpResult:
+    """``result``, or the first of the ``known`` plans (None: none) whose ``objective`` beats the rest."""
+    for plans in known:
+        value = None if plans is None else objective(plans)
+        if value is not None and value < result.objective:
+            result = dataclasses.replace(result, decisions={k: dict(v) for k, v in plans.items()}, objective=value)
     return result
 
 
@@ -191,8 +198,6 @@ def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_
         # solved alone far faster. On the frontier bench's small trace the joint
         # problem stopped at 170.3 MB where the blind plan needs 165.6 MB, and
         # the bucketed plan was refused a ceiling the blind one met.
-        blind = _blind_plans(model, weights, min_memory_problem, risk_budget, options)
-        blind_bytes = None if blind is None else simulate(model, next(iter(blind.values()))).memory_bytes
-        if blind_bytes is not None and blind_bytes < result.objective:
-            result = dataclasses.replace(result, decisions=blind, objective=blind_bytes)
+        result = _no_worse_than(result, (_blind_plans(model, weights, min_memory_problem, risk_budget, options),),
+                                lambda plans: max(simulate(model, d).memory_bytes for d in plans.values()))
     return result

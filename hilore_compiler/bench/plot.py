@@ -108,7 +108,7 @@ def save_frontier_png(report: FrontierReport, path: str | os.PathLike) -> Path |
             ax.annotate(f"{row.ceiling:g}x", (row.ceiling_bytes / 1e6, 1), xycoords=("data", "axes fraction"),
                         xytext=(2, -10), textcoords="offset points", color="grey", fontsize=8)
     cfg = report.run.config
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)  # a fixed corner hid store-all's point on the whole-step plot
     ax.set(xlabel="measured peak memory of the step (MB)", ylabel="tokens / s (median)",
            title=f"{cfg.model} {cfg.dtype}, B={cfg.batch}, T={cfg.seq_len}: ceilings in x GC's peak (dotted)")
     return _save(fig, path)

@@ -142,7 +142,8 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
 
 def _no_worse_than(result: IlpResult, known: Sequence[Mapping[str, Mapping[str, str]] | None],
                    objective: Callable[[Mapping[str, Mapping[str, str]]], float]) -> IlpResult:
-    """``result``, or the first of the ``known`` plans (None: none) whose ``objective`` beats the rest."""
+    """The best of ``result`` and the ``known`` plans (None: none) by ``objective``, lower
+    being better; on a tie the earlier one (``result`` first) is kept."""
     for plans in known:
         value = None if plans is None else objective(plans)
         if value is not None and value < result.objective:

@@ -4,6 +4,8 @@ Modules in the order a run uses them:
 
 - ``measure``: time and peak memory of one step (CPU: VmHWM - VmRSS with the
   high-water mark reset; CUDA: max_memory_allocated), gradient fidelity.
+- ``checkpointing``: how the checkpointing methods wrap the decoder layers
+  (GC, the selective ACs, GC with int8 checkpoints).
 - ``methods``: how each method compiles the policy (store-all, GC, selective
   AC, PyTorch's memory-budget partitioner, uniform int8, HiLoRe and its
   one-bucket, exposure-blind variant).

@@ -1,13 +1,13 @@
 """The memory-speed frontier: every method at every memory ceiling, in one run of alternating rounds.
 
 ``hilore bench --ceilings 0.8,1.0,1.1,1.5`` (``BenchConfig.ceilings``, multiples
-of GC's measured peak). The fixed methods (GC, store-all, selective AC,
-uniform int8, GC + chunked log-probs) are set up once, as ``runner.run_bench``
-does, and placed at every ceiling; whether they fit one is read from their
-measured peaks (``frontier_report.py``). The budgeted methods are planned or
-searched at each ceiling:
+of GC's measured peak). The fixed methods (GC, store-all, the selective ACs,
+GC with int8 checkpoints, uniform int8, GC + chunked log-probs) are set up
+once, as ``runner.run_bench`` does, and placed at every ceiling; whether they
+fit one is read from their measured peaks (``frontier_report.py``). The
+budgeted methods are planned or searched at each ceiling:
 
-- ``hilore``, ``hilore-blind``, ``hilore-step``: one worker per ceiling, planned
+- ``hilore``, ``hilore-blind``, ``int8-recompute``, ``hilore-step``: one worker per ceiling, planned
   at ``<c>x-gc`` of the measured GC peak (``launcher.REFERENCE_GC``). A plan
   the solver cannot fit is a point that does not fit, with the smallest
   budget it could meet. A plan whose step runs the decisions of a plan
@@ -37,7 +37,7 @@ from .runner import BenchConfig, measure_all, new_launcher, predict_baselines
 from .search import Probe, choose, grid
 
 #: Methods planned (or, pt-budget, searched) at each ceiling; the others are placed where they fall.
-BUDGETED = ("hilore", "hilore-blind", "pt-budget", "hilore-step")
+BUDGETED = ("hilore", "hilore-blind", "int8-recompute", "pt-budget", "hilore-step")
 
 #: ``Point.status`` values.
 MEASURED, DOES_NOT_FIT, FAILED = "measured", "does not fit", "failed"

@@ -35,7 +35,7 @@ SamePlan = Callable[[dict[str, Any]], "str | None"]
 
 #: The GC method whose measured peak each HiLoRe method's ``x-gc`` budget
 #: refers to: the one that runs the same step (eager or compiled loss).
-REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "hilore-step": "gc-chunked"}
+REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "int8-recompute": "gc", "hilore-step": "gc-chunked"}
 
 
 class Launcher:

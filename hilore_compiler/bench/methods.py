@@ -7,18 +7,36 @@ in what the backward pass gets to keep:
 - ``gc``: ``torch.utils.checkpoint`` (non-reentrant) around every decoder layer.
 - ``sac``: selective activation checkpointing as torchtitan does it: inside
   each layer, matmul and attention outputs are saved, the rest recomputed.
+- ``sac-op``: torchtitan's op-level selective AC, its real policy
+  (``checkpointing.op_selective_context_fn``): as ``sac``, but every second
+  ``aten.mm`` of a layer is recomputed, not saved.
+- ``sac-layer2``: torchtitan's layer-level selective AC at frequency 2: every
+  second decoder layer (1, 3, ...: torchtitan counts layers from 1 and wraps
+  a multiple of the frequency) under ``gc``'s checkpoint, the others as
+  store-all.
+- ``gc-int8``: GC whose checkpoints, each layer's input hidden states, are
+  kept int8 (``checkpointing.Int8Checkpointed``: reentrant-style, the layers
+  compiled one by one and the model between them, with a graph break
+  around each layer).
 - ``pt-budget``: PyTorch's memory-budget partitioner
   (``torch._functorch.config.activation_memory_budget``, a knapsack over
   recompute only); the runner searches the budget so its peak matches HiLoRe's.
 - ``uniform-int8``: the hilore backend with a plan that compresses every
   recovery unit int8 can encode and stores the rest: compression without
   exposure or cost awareness.
+- ``int8-recompute``: uniform int8 made to fit a budget: the hilore backend
+  solving one plan (one bucket, exposure ignored) with int8 the only codec
+  and no error budget (``UNBOUNDED_RISK``), so it recomputes what int8 alone
+  cannot fit. Storing stays open: recomputation never reads a compressed
+  input, so what a recomputed unit reads is stored or recomputed itself.
 - ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``, a
   multiple of ``gc``'s measured peak when ``gc`` ran first (the runner's),
   else of GC's predicted peak.
 - ``hilore-blind``: the same backend, budget and codecs with one exposure
   bucket: int8/bf16 compression mixed with recompute, blind to exposure;
   the strongest exposure-blind competitor at HiLoRe's memory.
+
+``sac-op``, ``sac-layer2``, ``gc-int8`` and ``int8-recompute`` run only when named with ``--methods``.
 
 The token log-probs and the GRPO loss run eagerly after the compiled policy,
 as ``grpo.actor_update`` runs them, identically for every method, except in
@@ -49,34 +67,35 @@ from typing import Any
 import torch
 import torch._functorch.config  # not imported by ``import torch``; holds activation_memory_budget
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 from ..planfile import Plan
 from ..vocabulary import to_plan_exposure
+from .checkpointing import op_selective_context_fn, selective_context_fn, wrap_layers, wrap_layers_int8
 
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
-METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-int8", "pt-budget",
-           "gc-chunked", "hilore-step")
+METHODS = ("store-all", "gc", "sac", "sac-op", "sac-layer2", "gc-int8", "hilore", "hilore-blind", "uniform-int8",
+           "int8-recompute", "pt-budget", "gc-chunked", "hilore-step")
 
 #: Methods that run the whole actor step compiled as one graph (``grpo.compiled_step``).
 STEP_METHODS = ("gc-chunked", "hilore-step")
 
-#: ``hilore bench``'s methods when none are named: the step methods only by name.
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in STEP_METHODS)
+#: ``hilore bench``'s methods when none are named: the step methods, the
+#: torchtitan/int8 checkpointing baselines and ``int8-recompute`` only by name.
+DEFAULT_METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-int8", "pt-budget")
 
 #: How the report names each method.
 LABELS = {
     "store-all": "store-all",
     "gc": "GC",
     "sac": "selective AC",
+    "sac-op": "selective AC (op, torchtitan)",
+    "sac-layer2": "selective AC (every 2nd layer)",
+    "gc-int8": "GC + int8 checkpoints",
     "pt-budget": "PT mem-budget",
     "uniform-int8": "uniform int8",
+    "int8-recompute": "int8 + recompute",
     "hilore": "HiLoRe",
     "hilore-blind": "HiLoRe blind",
     "gc-chunked": "GC + chunked log-probs",
@@ -84,7 +103,15 @@ LABELS = {
 }
 
 #: Methods that run the hilore backend (and so pick an exposure bucket).
-HILORE_BACKENDS = ("hilore", "hilore-blind", "uniform-int8", "hilore-step")
+HILORE_BACKENDS = ("hilore", "hilore-blind", "uniform-int8", "int8-recompute", "hilore-step")
+
+#: Methods whose plan is one bucket for every batch, exposure ignored.
+ONE_BUCKET = ("hilore-blind", "int8-recompute")
+
+#: ``int8-recompute``'s bound on the update's squared relative gradient error:
+#: a relative error of 1 never binds, so like ``uniform-int8`` it compresses
+#: blind to error.
+UNBOUNDED_RISK = 1.0
 
 #: Exposure buckets of ``hilore-blind``: one plan for every batch, exposure ignored.
 BLIND_BUCKETS = 1
@@ -148,52 +175,6 @@ class PreparedMethod:
     #: Step methods: the compiled ``step(input_ids, old_logprobs, advantages,
     #: mask) -> loss`` that replaces ``policy`` plus the eager loss.
     step: Callable[..., torch.Tensor] | None = None
-
-
-class Checkpointed(nn.Module):
-    """Runs the wrapped decoder layer under non-reentrant ``torch.utils.checkpoint``."""
-
-    def __init__(self, layer: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.context_fn = context_fn
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        if self.context_fn is None:
-            # Not ``context_fn=noop_context_fn``: dynamo (torch 2.13) cannot
-            # trace a plain function held by a module as ``context_fn``.
-            return checkpoint(self.layer, *args, use_reentrant=False)
-        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=self.context_fn)
-
-
-def _sac_save_ops() -> frozenset:
-    """The ops whose outputs selective AC saves: matmuls and every attention kernel.
-
-    Looked up by name because the set of SDPA kernels differs across builds.
-    """
-    aten = torch.ops.aten
-    names = ("mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-def _sac_policy(save: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # PREFER (not MUST) recompute: the partitioner may still save a value it
-    # finds cheaper to keep, as torchtitan's policy allows.
-    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_context_fn() -> Callable[[], Any]:
-    """``context_fn`` for ``checkpoint``: save matmul and attention outputs, recompute the rest."""
-    policy = functools.partial(_sac_policy, _sac_save_ops())
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None) -> nn.Module:
-    """Put every ``model.layers[i]`` under checkpoint, in place; parameter order is kept."""
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = Checkpointed(layer, context_fn)
-    return model
 
 
 def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0, **terms: Any) -> Plan:
@@ -304,6 +285,12 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model)))
     if name == "sac":
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, selective_context_fn())))
+    if name == "sac-op":
+        return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, op_selective_context_fn())))
+    if name == "sac-layer2":
+        return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, every=2)))
+    if name == "gc-int8":
+        return PreparedMethod(name=name, policy=torch.compile(wrap_layers_int8(model)))
     if name == "pt-budget":
         budget = options.activation_memory_budget
         if budget is None or not 0.0 <= budget <= 1.0:
@@ -315,7 +302,9 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
     if name in HILORE_BACKENDS:
         from ..backend import HiLoReBackend
 
-        hilore = _hilore_options(options, BLIND_BUCKETS if name == "hilore-blind" else None)
+        hilore = _hilore_options(options, BLIND_BUCKETS if name in ONE_BUCKET else None)
+        if name == "int8-recompute":
+            hilore.update(codecs=(options.uniform_codec,), risk_budget=UNBOUNDED_RISK)
         backend = (UniformCodecBackend(hilore, options.uniform_codec) if name == "uniform-int8"
                    else HiLoReBackend(hilore))
         return PreparedMethod(name=name, policy=torch.compile(model, backend=backend), backend=backend)

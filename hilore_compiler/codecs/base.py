@@ -9,6 +9,10 @@ emitter (see ``_emit``), and so has two faces that agree bit for bit:
 - ``graph_encode`` / ``graph_decode``: the same ops inserted into a decomposed
   AOTAutograd joint graph before Inductor's partitioner.
 
+``encode_unchecked`` runs the graph's semantics on eager tensors (no check, no
+host sync; dynamo traces it), for code that encodes outside the hilore graph
+(the bench's GC with int8 checkpoints).
+
 Codecs are stateless; one instance per name lives in the registry.
 """
 
@@ -85,6 +89,14 @@ class Codec(abc.ABC):
                 if part.is_floating_point() and not bool(torch.isfinite(part.float()).all()):
                     raise NonFiniteError(self.name, "a finite input overflowed the encoding")
         return parts
+
+    def encode_unchecked(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Encode ``x`` as the graph does at run time: no finiteness check, so no host
+        sync; a non-finite input takes the codec's in-graph fallback (row-wise
+        codecs: its row decodes to NaN). Equal to :meth:`encode` on finite input."""
+        self._check_dtype(x.dtype)
+        with torch.no_grad():
+            return tuple(self._encode(EagerEmitter(), x))
 
     def decode(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Decode ``parts`` (from :meth:`encode`) back to a tensor of ``dtype``."""

@@ -86,7 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ceilings", type=ceiling_list,
                    help="the memory-speed frontier: comma-separated memory ceilings as multiples of GC's "
                         "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
-                        "pt-budget, hilore-step) is planned or searched at each, the others placed where "
+                        "int8-recompute, pt-budget, hilore-step) is planned or searched at each, the others placed where "
                         "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")

@@ -1,0 +1,213 @@
+"""The fixed checkpointing baselines: torchtitan's op- and layer-level selective AC, GC with
+int8 checkpoints (``bench/checkpointing.py``), compiled as ``prepare_method`` compiles them."""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from hilore_compiler.bench.checkpointing import (
+    MM,
+    Checkpointed,
+    Int8Checkpointed,
+    _sac_save_ops,
+    op_sac_policy,
+    wrap_layers_int8,
+)
+from hilore_compiler.bench.frontier import BUDGETED
+from hilore_compiler.bench.methods import DEFAULT_METHODS, LABELS, METHODS, MethodOptions, prepare_method
+from hilore_compiler.bench.worker import actor_step, flat_grad, make_data
+from hilore_compiler.codecs import INT8
+from hilore_compiler.grpo import GRPOConfig
+from hilore_compiler.models import build_model
+from hilore_compiler.models.llama import LlamaDecoderLayer, rotary_cos_sin
+
+BASELINES = ("sac-op", "sac-layer2", "gc-int8")
+#: Tiny's shape in these tests: (B, T) tokens, hidden C.
+B, T, C = 2, 16, 64
+#: Matmuls per tiny Llama layer: q, k, v, o projections, gate, up, down.
+LAYER_MMS = 7
+
+
+def _data():
+    return make_data(256, B, T, seed=0, device=torch.device("cpu"))
+
+
+def test_the_baselines_are_fixed_methods_run_only_by_name():
+    assert METHODS[METHODS.index("sac") + 1:METHODS.index("sac") + 4] == BASELINES
+    assert all(m in LABELS and m not in DEFAULT_METHODS and m not in BUDGETED for m in BASELINES)
+    assert list(DEFAULT_METHODS) == [m for m in METHODS if m in DEFAULT_METHODS]  # METHODS' order
+
+
+# --- sac-op: torchtitan's op-level policy ----------------------------------------
+
+def test_op_policy_recomputes_every_second_mm_counting_each_pass_apart():
+    save, sdpa = _sac_save_ops(), torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    ops = [MM, sdpa, MM, torch.ops.aten.add.Tensor, MM, MM, MM]
+    meta: dict = collections.defaultdict(int)
+    decisions = {}
+    for recompute in (False, True):
+        ctx = types.SimpleNamespace(is_recompute=recompute)
+        decisions[recompute] = [op_sac_policy(save, meta, ctx, op) == CheckpointPolicy.MUST_SAVE for op in ops]
+    # mm 1, 3, 5 saved, mm 2, 4 recomputed; attention saved; add recomputed.
+    assert decisions[False] == [True, True, False, False, True, False, True]
+    assert decisions[True] == decisions[False]  # the recompute counts from 1 again
+    assert dict(meta) == {"forward_mm_count": 5, "recompute_mm_count": 5}
+
+
+def _aot_graphs(method: str) -> dict:
+    """``method`` compiled with AOTAutograd and Inductor's partitioner, no Inductor: its
+    partitioned graphs, dynamo graph count and graph breaks after one step."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: dict = {"fw": [], "bw": []}
+
+    def keep(kind):
+        return lambda gm, _: graphs[kind].append(gm) or make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), decompositions=select_decomp_table(),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model("tiny", seed=0)
+    # The method's wrapping, with the AOTAutograd backend instead of Inductor.
+    prepare_method(method, model, MethodOptions())
+    actor_step(torch.compile(model, backend=backend), _data(), GRPOConfig())
+    return {**graphs, "dynamo_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _mms(gms) -> int:
+    return sum(n.target == MM for gm in gms for n in gm.graph.nodes)
+
+
+def test_sac_op_recomputes_every_second_matmul_of_each_layer_in_one_graph():
+    """Backward runs two mms per linear; sac-op adds the recompute of mm 2, 4, 6 of each
+    layer (a counter shared across layers would recompute 4 in the second), sac none."""
+    runs = {m: _aot_graphs(m) for m in ("store-all", "sac", "sac-op")}
+    layers = 2
+    assert _mms(runs["sac"]["bw"]) == _mms(runs["store-all"]["bw"])
+    assert _mms(runs["sac-op"]["bw"]) - _mms(runs["sac"]["bw"]) == layers * (LAYER_MMS // 2)
+    assert _mms(runs["sac-op"]["fw"]) == _mms(runs["sac"]["fw"])
+    for key in ("dynamo_graphs", "graph_breaks"):
+        assert runs["sac-op"][key] == runs["sac"][key]
+    assert (runs["sac-op"]["dynamo_graphs"], runs["sac-op"]["graph_breaks"]) == (1, 0)
+
+
+# --- sac-layer2 ---------------------------------------------------------------------
+
+def test_sac_layer2_checkpoints_every_second_layer_counted_from_one():
+    model = build_model("tiny", seed=0, n_layers=5)
+    prepare_method("sac-layer2", model, MethodOptions())  # torch.compile is lazy: nothing compiles
+    wrapped = [i for i, layer in enumerate(model.layers) if isinstance(layer, Checkpointed)]
+    assert wrapped == [1, 3]  # torchtitan: the 2nd and 4th layer
+    assert all(isinstance(model.layers[i], LlamaDecoderLayer) for i in (0, 2, 4))
+    assert model.layers[1].context_fn is None  # full checkpoint, as gc's
+
+
+# --- gc-int8 ------------------------------------------------------------------------
+
+def test_gc_int8_keeps_only_the_int8_encoded_layer_input():
+    model = build_model("tiny", seed=0)
+    layer, cfg = model.layers[0], model.config
+    cos, sin = rotary_cos_sin(T, cfg.head_dim, cfg.rope_theta, torch.device("cpu"))  # (T, hd), kept as they are
+    x = torch.randn(B, T, C, requires_grad=True)
+    saved: dict = {}
+    for name, module in (("store", layer), ("int8", Int8Checkpointed(layer, compiled=False))):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = module(x, cos, sin)
+        saved[name] = (out, [t for t in kept if t is not cos and t is not sin])
+    (exact, _), (out, kept) = saved["store"], saved["int8"]
+    assert torch.equal(out, exact)  # the forward is exact
+    assert [(t.dtype, tuple(t.shape)) for t in kept] == [(torch.int8, (B, T, C)), (torch.float32, (B, T, 1))]
+    assert sum(t.nbytes for t in kept) == B * T * C + 4 * B * T == INT8.encoded_nbytes((B, T, C), x.dtype)
+    assert sum(t.nbytes for t in saved["store"][1]) > 4 * x.nbytes  # what the layer keeps unwrapped
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "gpt-tiny", "llama-tiny-dropout"])
+def test_gc_int8_eager_gradients_are_close_to_store_alls_not_equal(model_name):
+    """With dropout too: the recompute replays the forward's RNG state (without that,
+    cosine 0.92 here)."""
+    data, grads = _data(), {}
+    for wrap in (False, True):
+        model = build_model(model_name, seed=0)
+        if wrap:
+            wrap_layers_int8(model, compiled=False)
+        torch.manual_seed(1)
+        actor_step(model, data, GRPOConfig())
+        grads[wrap] = flat_grad(model)
+    assert torch.cosine_similarity(grads[True], grads[False], dim=0) > 0.999
+    assert not torch.equal(grads[True], grads[False])
+
+
+def test_encode_unchecked_is_encode_on_finite_rows_and_poisons_a_non_finite_row():
+    x = torch.randn(3, 8)
+    assert all(torch.equal(a, b) for a, b in zip(INT8.encode_unchecked(x), INT8.encode(x)))
+    x[1, 2] = float("inf")
+    decoded = INT8.decode(INT8.encode_unchecked(x), x.dtype)
+    assert decoded[1].isnan().all() and decoded[[0, 2]].isfinite().all()
+
+
+# --- compiled with Inductor, as the bench runs them ---------------------------------
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Store-all's eager gradient and each baseline's, compiled by ``prepare_method`` with
+    Inductor (tens of seconds each), with its model and dynamo's graph counts."""
+    from torch._dynamo.utils import counters
+
+    data = _data()
+    reference = build_model("tiny", seed=0)
+    actor_step(reference, data, GRPOConfig())
+    out = {"store-all": {"grad": flat_grad(reference)}}
+    for method in BASELINES:
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model("tiny", seed=0)
+        prepared = prepare_method(method, model, MethodOptions())
+        actor_step(prepared.policy, data, GRPOConfig())
+        out[method] = {"grad": flat_grad(model), "model": model, "policy": prepared.policy,
+                       "dynamo_graphs": counters["stats"]["unique_graphs"],
+                       "graph_breaks": dict(counters["graph_break"])}
+    return out
+
+
+@pytest.mark.parametrize("method", ["sac-op", "sac-layer2"])
+def test_compiled_selective_ac_gradients_match_store_alls(compiled, method):
+    run = compiled[method]
+    assert torch.allclose(run["grad"], compiled["store-all"]["grad"], rtol=1e-4, atol=1e-6)
+    assert (run["dynamo_graphs"], run["graph_breaks"]) == (1, {})
+
+
+def test_compiled_gc_int8_is_close_to_store_all_keeps_int8_and_breaks_only_around_layers(compiled):
+    run, exact = compiled["gc-int8"], compiled["store-all"]["grad"]
+    assert torch.cosine_similarity(run["grad"], exact, dim=0) > 0.999
+    assert not torch.equal(run["grad"], exact)
+    # The backward graph holds one int8 checkpoint per layer, in the Function's ctx.
+    logits = run["policy"](_data().input_ids)
+    nodes, seen, kept = [logits.grad_fn], set(), []
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_Int8CheckpointBackward":
+            kept.append(node.saved_tensors[0])
+        nodes += [n for n, _ in node.next_functions]
+    assert [(t.dtype, tuple(t.shape)) for t in kept] == [(torch.int8, (B, T, C))] * 2
+    # Dynamo breaks the model's graph only at the layers' Function, kept out of it; its
+    # graphs: rotary and embedding, final norm, lm_head (forward and hidden_states each
+    # resume after the break), and, shared by both layers, the layer without grad (the
+    # forward), with grad (the recompute), the encode and the decode.
+    assert len(run["graph_breaks"]) == 1
+    assert all("Int8Checkpointed.forward" in reason for reason in run["graph_breaks"])
+    assert run["dynamo_graphs"] == 7

@@ -1,5 +1,6 @@
-"""The fixed checkpointing baselines: torchtitan's op- and layer-level selective AC, GC with
-int8 checkpoints (``bench/checkpointing.py``), compiled as ``prepare_method`` compiles them."""
+"""The baselines issue #38 added: the fixed checkpointing ones, torchtitan's op- and layer-level
+selective AC and GC with int8 checkpoints (``bench/checkpointing.py``), compiled as
+``prepare_method`` compiles them; and the budgeted ``int8-recompute``."""
 
 from __future__ import annotations
 
@@ -19,12 +20,23 @@ from hilore_compiler.bench.checkpointing import (
     wrap_layers_int8,
 )
 from hilore_compiler.bench.frontier import BUDGETED
-from hilore_compiler.bench.methods import DEFAULT_METHODS, LABELS, METHODS, MethodOptions, prepare_method
+from hilore_compiler.bench.methods import (
+    DEFAULT_METHODS,
+    LABELS,
+    METHODS,
+    UNBOUNDED_RISK,
+    MethodOptions,
+    prepare_method,
+    uniform_plan,
+)
 from hilore_compiler.bench.worker import actor_step, flat_grad, make_data
 from hilore_compiler.codecs import INT8
 from hilore_compiler.grpo import GRPOConfig
 from hilore_compiler.models import build_model
 from hilore_compiler.models.llama import LlamaDecoderLayer, rotary_cos_sin
+from hilore_compiler.solver import solve
+from hilore_compiler.solver.risk import parse_risk_budget
+from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 
 BASELINES = ("sac-op", "sac-layer2", "gc-int8")
 #: Tiny's shape in these tests: (B, T) tokens, hidden C.
@@ -211,3 +223,28 @@ def test_compiled_gc_int8_is_close_to_store_all_keeps_int8_and_breaks_only_aroun
     assert len(run["graph_breaks"]) == 1
     assert all("Int8Checkpointed.forward" in reason for reason in run["graph_breaks"])
     assert run["dynamo_graphs"] == 7
+
+
+# --- int8-recompute: uniform int8 made to fit a ceiling ---------------------------
+
+def test_int8_recompute_is_one_error_blind_int8_plan_under_the_same_budget(tmp_path):
+    options = MethodOptions(hilore_budget="1.0x-gc", hilore_codecs=("bf16", "int8", "int4"),
+                            hilore_cache_dir=str(tmp_path))
+    backends = {name: prepare_method(name, build_model("tiny", seed=0), options).backend
+                for name in ("hilore", "int8-recompute")}  # torch.compile is lazy: nothing compiles
+    hilore, baseline = backends["hilore"].options, backends["int8-recompute"].options
+    assert (baseline.buckets, baseline.codecs, baseline.memory_budget) == (1, ("int8",), hilore.memory_budget)
+    assert parse_risk_budget(baseline.risk_budget) == UNBOUNDED_RISK > parse_risk_budget(hilore.risk_budget)
+    assert "int8-recompute" in BUDGETED and "int8-recompute" not in DEFAULT_METHODS
+
+
+def test_int8_recompute_mixes_int8_and_recompute_where_int8_alone_does_not_fit():
+    small = SyntheticConfig(num_layers=2, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
+                            batch=2, seq_len=16)
+    trace = synthetic_trace(small)
+    all_int8 = next(b for b in uniform_plan(trace, "int8").buckets if not b.skip)
+    plan = solve(trace, int(0.9 * all_int8.memory_bytes), risk_budget=UNBOUNDED_RISK, buckets=1, codecs="int8")
+    decisions = set(plan.decisions("b0").values())
+    assert decisions <= {"store", "compress:int8", "recompute"}
+    assert {"compress:int8", "recompute"} <= decisions
+    assert plan.bucket("b0").memory_bytes <= 0.9 * all_int8.memory_bytes

@@ -14,11 +14,8 @@ import torch
 
 from hilore_compiler.bench.checkpointing import Checkpointed
 from hilore_compiler.bench.measure import StepSample
-from hilore_compiler.bench.frontier import BUDGETED
 from hilore_compiler.bench.methods import (
-    DEFAULT_METHODS,
     METHODS,
-    UNBOUNDED_RISK,
     MethodOptions,
     choose_bucket,
     plan_summary,
@@ -408,25 +405,3 @@ def test_a_method_that_plans_does_so_in_its_timed_worker_and_its_peak_worker_com
     assert other.status == "failed" and "another plan (decisions bbbb) than its peak worker (cccc)" in other.error
     assert other.worker is None and all(w.closed for w in spawned[2:])
 
-
-def test_int8_recompute_is_one_error_blind_int8_plan_under_the_same_budget(tmp_path):
-    options = MethodOptions(hilore_budget="1.0x-gc", hilore_codecs=("bf16", "int8", "int4"),
-                            hilore_cache_dir=str(tmp_path))
-    backends = {name: prepare_method(name, build_model("tiny", seed=0), options).backend
-                for name in ("hilore", "int8-recompute")}  # torch.compile is lazy: nothing compiles
-    hilore, baseline = backends["hilore"].options, backends["int8-recompute"].options
-    assert (baseline.buckets, baseline.codecs, baseline.memory_budget) == (1, ("int8",), hilore.memory_budget)
-    assert parse_risk_budget(baseline.risk_budget) == UNBOUNDED_RISK > parse_risk_budget(hilore.risk_budget)
-    assert "int8-recompute" in BUDGETED and "int8-recompute" not in DEFAULT_METHODS
-
-
-def test_int8_recompute_mixes_int8_and_recompute_where_int8_alone_does_not_fit():
-    small = SyntheticConfig(num_layers=2, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
-                            batch=2, seq_len=16)
-    trace = synthetic_trace(small)
-    all_int8 = next(b for b in uniform_plan(trace, "int8").buckets if not b.skip)
-    plan = solve(trace, int(0.9 * all_int8.memory_bytes), risk_budget=UNBOUNDED_RISK, buckets=1, codecs="int8")
-    decisions = set(plan.decisions("b0").values())
-    assert decisions <= {"store", "compress:int8", "recompute"}
-    assert {"compress:int8", "recompute"} <= decisions
-    assert plan.bucket("b0").memory_bytes <= 0.9 * all_int8.memory_bytes

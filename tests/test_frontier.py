@@ -12,6 +12,7 @@ from hilore_compiler.bench.frontier import (
     MEASURED,
     FrontierRun,
     Point,
+    _planned_point,
     _pt_budget_points,
     same_plan_run,
 )
@@ -151,6 +152,46 @@ def test_pt_budget_probes_compile_once_and_each_ceiling_keeps_the_fastest_that_f
     assert by[2.0].run == "pt-budget@0.875"
     assert set(runs) == {"pt-budget@0.375", "pt-budget@0.875"}  # probes chosen at no ceiling are not timed
     assert AS_STORE_ALL == "store-all"
+
+
+class _OvershootLauncher:
+    """Plans that measure 2% of GC over their budget, and no plan under 0.88 x GC."""
+
+    def __init__(self):
+        self.config = BenchConfig(model="tiny")
+        self.gc_peaks = {"gc": 100_000_000}
+        self.budgets: list[str] = []
+        self.progress = lambda message: None
+
+    def start(self, method, tag="", budget=None, *, hilore_budget=None, same_plan=None):
+        self.budgets.append(hilore_budget)
+        multiple = float(hilore_budget.removesuffix("x-gc"))
+        run = MethodRun(method=method, name=method + tag)
+        if multiple < 0.88:
+            run.status, run.error, run.info = "failed", "infeasible budget", {"min_budget_bytes": 88_000_000}
+            return run
+        run.peaks = [int((multiple + 0.02) * 100_000_000)]
+        return run
+
+
+def test_a_plan_measured_over_its_ceiling_is_planned_again_lower_by_the_overshoot():
+    launcher, runs = _OvershootLauncher(), {}
+    point = _planned_point(launcher, runs, "hilore", 1.0)
+    assert launcher.budgets[0] == "1x-gc" and len(launcher.budgets) == 2
+    lowered = float(launcher.budgets[1].removesuffix("x-gc"))
+    assert lowered == pytest.approx(1.0 / 1.02 * 0.997, rel=1e-5)
+    assert point.status == MEASURED and point.run == "hilore@1x"
+    assert runs["hilore@1x"].peaks[0] <= 100_000_000  # what the rounds measure fits
+    assert "the 1x-gc plan measured 1.020 x GC" in point.note
+    assert runs["hilore@1x"].info["refits"] == [{"budget": "1x-gc", "peak_bytes": 102_000_000}]
+
+
+def test_a_plan_whose_lowered_budget_no_plan_meets_does_not_fit_and_says_why():
+    launcher, runs = _OvershootLauncher(), {}
+    point = _planned_point(launcher, runs, "int8-recompute", 0.89)
+    assert len(launcher.budgets) == 2 and point.status == DOES_NOT_FIT
+    assert point.min_budget_bytes == 88_000_000 and "the 0.89x-gc plan measured 0.910 x GC" in point.note
+    assert [r.status for r in runs.values()] == ["failed"]  # the infeasible re-plan, as any unfit plan is
 
 
 def test_cli_ceilings_take_multiples_of_gc_with_or_without_the_suffix():

@@ -72,9 +72,14 @@ def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None, e
     Layers count from 1, as in torchtitan's layer-level selective AC: ``every=2``
     wraps layers 1, 3, ... (0-based).
     """
+    return _wrap_layers(model, lambda layer: Checkpointed(layer, context_fn), every)
+
+
+def _wrap_layers(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], every: int = 1) -> nn.Module:
+    """Replace every ``every``-th ``model.layers[i]`` (counting from 1) by ``wrap(layer)``, in place."""
     for i, layer in enumerate(model.layers):
         if (i + 1) % every == 0:
-            model.layers[i] = Checkpointed(layer, context_fn)
+            model.layers[i] = wrap(layer)
     return model
 
 
@@ -196,6 +201,4 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 def wrap_layers_int8(model: nn.Module, compiled: bool = True) -> nn.Module:
     """Put every ``model.layers[i]`` under ``Int8Checkpointed``, in place; parameter order is kept."""
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = Int8Checkpointed(layer, compiled)
-    return model
+    return _wrap_layers(model, lambda layer: Int8Checkpointed(layer, compiled))

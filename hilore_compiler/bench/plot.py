@@ -79,6 +79,10 @@ def _save(fig: Any, path: str | os.PathLike) -> Path:
     return path
 
 
+#: One marker per frontier line, so lines that share a colour (past 10) still differ.
+FRONTIER_MARKERS = "os^Dv<>pPX*h"
+
+
 def frontier_lines(report: FrontierReport) -> dict[str, list[tuple[float, float]]]:
     """Per method label, its distinct measured points (peak MB, median tokens/s), by peak."""
     lines: dict[str, set[tuple[float, float]]] = {}
@@ -99,9 +103,11 @@ def save_frontier_png(report: FrontierReport, path: str | os.PathLike) -> Path |
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label, points in frontier_lines(report).items():
+    for i, (label, points) in enumerate(frontier_lines(report).items()):
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", linestyle="-" if len(points) > 1 else "none", label=label)
+        # Matplotlib cycles 10 colours; a marker of its own keeps the 11th line apart from the first.
+        ax.plot(xs, ys, marker=FRONTIER_MARKERS[i % len(FRONTIER_MARKERS)],
+                linestyle="-" if len(points) > 1 else "none", label=label)
     for row in report.rows:
         if row.ceiling_bytes:
             ax.axvline(row.ceiling_bytes / 1e6, linestyle=":", color="grey", linewidth=0.8)

@@ -208,6 +208,14 @@ def test_plan_for_a_wider_model_with_the_same_keys_is_refused(tiny):
         compiled(_ids())
 
 
+def test_trace_codecs_must_hold_every_codec_a_plan_may_use():
+    options = BackendOptions.from_mapping({"codecs": ["int8"], "trace_codecs": ["bf16", "int8"]})
+    assert options.profiled_codecs == ("bf16", "int8") and options.codecs == ("int8",)
+    assert BackendOptions.from_mapping({"codecs": ["int8"]}).profiled_codecs == ("int8",)
+    with pytest.raises(ValueError, match=r"codecs \['int4'\] are not in trace_codecs \['bf16', 'int8'\]"):
+        BackendOptions.from_mapping({"codecs": ["int4"], "trace_codecs": ["bf16", "int8"]})
+
+
 def test_unknown_option_lists_the_known_ones():
     with pytest.raises(ValueError, match="known options.*memory_budget"):
         BackendOptions.from_mapping({"memroy_budget": "1x-gc"})

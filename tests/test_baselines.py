@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from hilore_compiler.backend.planning import cache_key, trace_key
 from hilore_compiler.bench.checkpointing import (
     MM,
     Checkpointed,
@@ -236,6 +237,12 @@ def test_int8_recompute_is_one_error_blind_int8_plan_under_the_same_budget(tmp_p
     assert (baseline.buckets, baseline.codecs, baseline.memory_budget) == (1, ("int8",), hilore.memory_budget)
     assert parse_risk_budget(baseline.risk_budget) == UNBOUNDED_RISK > parse_risk_budget(hilore.risk_budget)
     assert "int8-recompute" in BUDGETED and "int8-recompute" not in DEFAULT_METHODS
+    # One trace for both: the plans differ by planning alone, not by two profiles' timing noise.
+    assert baseline.profiled_codecs == hilore.profiled_codecs == ("bf16", "int8", "int4")
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    inputs = [torch.ones(2, 4)]
+    assert trace_key(gm, inputs, baseline) == trace_key(gm, inputs, hilore)
+    assert cache_key(gm, inputs, baseline) != cache_key(gm, inputs, hilore)
 
 
 def test_int8_recompute_mixes_int8_and_recompute_where_int8_alone_does_not_fit():

@@ -30,6 +30,10 @@ class BackendOptions:
     risk_budget: float | None = None
     #: Codecs the plan may use; empty means store/recompute only.
     codecs: tuple[str, ...] = ("bf16", "int8")
+    #: Codecs the trace profiles, a superset of ``codecs``; None: ``codecs``.
+    #: Plans that allow fewer codecs then share one trace (and its measured
+    #: costs) with plans that allow them all.
+    trace_codecs: tuple[str, ...] | None = None
     #: Number of non-zero exposure buckets (one compiled variant each at most).
     buckets: int = 3
     #: Where zero-config plans and traces are cached, keyed by graph and
@@ -63,6 +67,11 @@ class BackendOptions:
     #: exposure buckets; the solver splits only where it pays (``solver/lengths``).
     length_buckets: int = 1
 
+    @property
+    def profiled_codecs(self) -> tuple[str, ...]:
+        """The codecs the trace profiles: ``trace_codecs``, or ``codecs`` when None."""
+        return self.codecs if self.trace_codecs is None else self.trace_codecs
+
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> BackendOptions:
         """Build options from a user dict; unknown keys name the known ones."""
@@ -81,8 +90,14 @@ class BackendOptions:
         for i, plan in enumerate(_as_tuple(options.get("plan"))):
             if isinstance(plan, Plan):
                 raise_problems(plan_problems(plan, "options['plan']" + (f"[{i}]" if i else "")))
-        if "codecs" in options:
-            options["codecs"] = tuple(options["codecs"])
+        for name in ("codecs", "trace_codecs"):
+            if options.get(name) is not None:
+                options[name] = tuple(options[name])
+        missing = [c for c in options.get("codecs", cls.codecs) if options.get("trace_codecs") is not None
+                   and c not in options["trace_codecs"]]
+        if missing:
+            raise ValueError(f"hilore backend options: codecs {missing} are not in trace_codecs "
+                             f"{list(options['trace_codecs'])}; the trace must profile every codec a plan may use")
         if options.get("length_mix") is not None:
             options["length_mix"] = tuple(options["length_mix"])
         lo, hi = options.get("min_seq_len"), options.get("max_seq_len")
@@ -123,6 +138,8 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
                     'a number >= 0, None (the calibrated default), or a string such as "cos>=0.999"'),
     "codecs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(c, str) and c for c in v),
                'a list of codec names such as ["bf16", "int8"] (a list, even for one codec)'),
+    "trace_codecs": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, str) and c for c in v)),
+                     "a list of codec names (a superset of codecs), or None (the same as codecs)"),
     "buckets": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive int (the number of non-zero exposure buckets)"),
     "cache_dir": (_path, "a folder path (str or os.PathLike)"),

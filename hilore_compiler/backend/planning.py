@@ -86,9 +86,9 @@ def code_digest() -> str:
 
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
-    planning = [options.memory_budget, options.risk_budget, list(options.codecs), options.buckets,
-                options.loss_ratio, options.gc_peak_bytes, options.max_seq_len, options.min_seq_len,
-                options.length_mix, options.length_buckets]
+    planning = [options.memory_budget, options.risk_budget, list(options.codecs), list(options.profiled_codecs),
+                options.buckets, options.loss_ratio, options.gc_peak_bytes, options.max_seq_len,
+                options.min_seq_len, options.length_mix, options.length_buckets]
     return _key(gm, example_inputs, planning)
 
 
@@ -100,7 +100,7 @@ def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backen
     again would give each plan its own timing noise (a 2-core CPU's spread
     moves decisions between near-equal options).
     """
-    return _key(gm, example_inputs, ["trace", list(options.codecs)])
+    return _key(gm, example_inputs, ["trace", list(options.profiled_codecs)])
 
 
 def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) -> str:
@@ -223,7 +223,7 @@ def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, se
     """Annotate and profile one captured joint graph into a trace."""
     from ..passes.tracer import TraceConfig, trace_captures
 
-    config = TraceConfig(model_name=name, codecs=tuple(options.codecs), verbose=False)
+    config = TraceConfig(model_name=name, codecs=tuple(options.profiled_codecs), verbose=False)
     return trace_captures([capture], batch, seq_len, config)
 
 

@@ -29,6 +29,8 @@ in what the backward pass gets to keep:
   and no error budget (``UNBOUNDED_RISK``), so it recomputes what int8 alone
   cannot fit. Storing stays open: recomputation never reads a compressed
   input, so what a recomputed unit reads is stored or recomputed itself.
+  It plans from HiLoRe's trace (``trace_codecs``), so both weigh the same
+  measured costs.
 - ``hilore``: the hilore backend, solving its own plan at ``1.10x-gc``, a
   multiple of ``gc``'s measured peak when ``gc`` ran first (the runner's),
   else of GC's predicted peak.
@@ -305,6 +307,9 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
         hilore = _hilore_options(options, BLIND_BUCKETS if name in ONE_BUCKET else None)
         if name == "int8-recompute":
             hilore.update(codecs=(options.uniform_codec,), risk_budget=UNBOUNDED_RISK)
+            if options.uniform_codec in options.hilore_codecs:
+                # HiLoRe's trace: both plans then weigh the same measured costs.
+                hilore.update(trace_codecs=tuple(options.hilore_codecs))
         backend = (UniformCodecBackend(hilore, options.uniform_codec) if name == "uniform-int8"
                    else HiLoReBackend(hilore))
         return PreparedMethod(name=name, policy=torch.compile(model, backend=backend), backend=backend)

@@ -62,8 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"the fastest whose peak fits HiLoRe's is kept (default {d.budget_probes})")
     p.add_argument("--seed", type=int, help=f"weights and batch seed (default {d.seed})")
     p.add_argument("--cache-dir", help="persistent Inductor and hilore caches, shared by later runs "
-                                       "(default: fresh per run; clear it after changing hilore, whose "
-                                       "cached plans are keyed by graph and options, not by its code)")
+                                       "(default: fresh per run; cached traces and plans are keyed by graph, "
+                                       "options and hilore's code, so a changed hilore traces and plans again)")
     p.add_argument("--actor-update", action="store_true",
                    help="run the whole bucketed GRPO actor update on a realistic batch (groups of 8, "
                         "binary rewards, zero-variance groups, second-iteration clipping): store-all, GC, "

@@ -420,6 +420,23 @@ def test_buckets_stopped_early_never_lose_to_the_exposure_blind_plan(monkeypatch
     assert result.decisions["b0"] == result.decisions["b1"] != recompute_all["b0"]
     assert result.objective < expected_time_s(model, weights, recompute_all)
     assert result.objective == pytest.approx(expected_time_s(model, weights, result.decisions))
+    assert result.blind == result.decisions  # kept, so buckets_that_pay need not solve it again
+
+
+def test_buckets_that_pay_reuse_the_blind_plan_already_solved(monkeypatch):
+    from hilore_compiler.solver import planner
+
+    trace = random_trace(3, num_units=6)
+    model = _model(trace)
+    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
+    store = {u.key: "store" for u in model.units}
+    recompute = {u.key: RECOMPUTE if u.recomputable else "store" for u in model.units}
+    plans = {"b0": store, "b1": recompute}  # distinct, and slower over the mix than store-all everywhere
+    blind = {"b0": store, "b1": store}
+    monkeypatch.setattr(planner, "blind_min_time", lambda *a, **k: pytest.fail("the blind plan was solved again"))
+    kept, note = planner.buckets_that_pay(model, weights, plans, budget_bytes=model.store_bytes, risk_budget=RISK,
+                                          options=QUICK, blind=blind)
+    assert kept == blind and "one plan in every exposure bucket" in note
 
 
 def test_least_memory_stopped_early_never_needs_more_than_the_exposure_blind_plan(monkeypatch):

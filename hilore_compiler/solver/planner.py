@@ -217,7 +217,7 @@ def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_t
     stats = SolverStats(status=result.status, seconds=least.seconds + result.seconds,
                         objective=result.objective, gap=result.gap)
     plans, collapsed = buckets_that_pay(model, weights, plans, budget_bytes=ceiling, risk_budget=risk_budget,
-                                        options=options)
+                                        options=options, blind=result.blind)
     return plans, stats, collapsed
 
 
@@ -231,13 +231,16 @@ EXPOSURE_BUCKET_PRICE = 0.02
 
 
 def buckets_that_pay(model: CostModel, weights: Sequence[BucketWeight], plans: dict[str, dict[str, str]], *,
-                     budget_bytes: int, risk_budget: float,
-                     options: SolverOptions) -> tuple[dict[str, dict[str, str]], str | None]:
+                     budget_bytes: int, risk_budget: float, options: SolverOptions,
+                     blind: Mapping[str, Mapping[str, str]] | None = None) -> tuple[dict[str, dict[str, str]], str | None]:
     """``plans``, or the exposure-blind plan in every bucket where ``plans`` save
-    less than ``EXPOSURE_BUCKET_PRICE`` of its expected time; and a note saying so (or None)."""
+    less than ``EXPOSURE_BUCKET_PRICE`` of its expected time; and a note saying so (or None).
+
+    ``blind``: the blind plans if already solved under the same budget (``IlpResult.blind``)."""
     if len({tuple(sorted(d.items())) for d in plans.values()}) < 2:
         return plans, None
-    blind = blind_min_time(model, weights, budget_bytes=budget_bytes, risk_budget=risk_budget, options=options)
+    if blind is None:
+        blind = blind_min_time(model, weights, budget_bytes=budget_bytes, risk_budget=risk_budget, options=options)
     if blind is None:
         return plans, None
     joint_s, blind_s = expected_time_s(model, weights, plans), expected_time_s(model, weights, blind)
@@ -247,9 +250,10 @@ def buckets_that_pay(model: CostModel, weights: Sequence[BucketWeight], plans: d
         verify(model, d, budget_bytes=budget_bytes)
     verify_risk(model, blind, weights, risk_budget)
     saved = 1 - joint_s / blind_s if blind_s > 0 else 0.0
-    return blind, (f"one plan in every exposure bucket: distinct plans would save {saved:.1%} of its expected "
-                   f"recovery time ({format_seconds(joint_s)} against {format_seconds(blind_s)}), under the "
-                   f"{EXPOSURE_BUCKET_PRICE:.0%} a bucket's compiled variant must pay")
+    note = (f"one plan in every exposure bucket: distinct plans would save {saved:.1%} of its expected "
+            f"recovery time ({format_seconds(joint_s)} against {format_seconds(blind_s)}), under the "
+            f"{EXPOSURE_BUCKET_PRICE:.0%} a bucket's compiled variant must pay")
+    return {k: dict(v) for k, v in blind.items()}, note
 
 
 def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, str], *,

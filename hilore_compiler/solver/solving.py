@@ -35,6 +35,9 @@ class IlpResult:
     objective: float
     #: CBC's proven lower bound on the objective, same units; None if unknown.
     bound: float | None
+    #: The exposure-blind plans this solve already found (``_blind_plans``, solved
+    #: where CBC stopped early), for ``planner.buckets_that_pay`` to reuse; None: not solved.
+    blind: Mapping[str, Mapping[str, str]] | None = None
 
     @property
     def gap(self) -> float | None:
@@ -135,8 +138,9 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     if result is not None and result.status != "optimal":
         # Stopped early: never return plans slower than the known ones, nor
         # than the exposure-blind plan, a point of the same problem.
-        result = _no_worse_than(result, (start, _blind_plans(model, weights, make, risk_budget, options)),
-                                lambda plans: expected_time_s(model, weights, plans))
+        blind = _blind_plans(model, weights, make, risk_budget, options)
+        result = _no_worse_than(result, (start, blind), lambda plans: expected_time_s(model, weights, plans))
+        result = dataclasses.replace(result, blind=blind)
     return result
 
 

@@ -15,10 +15,10 @@ budgeted methods are planned or searched at each ceiling:
   most; ``_planned_point``): the memory model misses part of what Inductor's
   backward holds in a layer (its buffer pool), so the measurement, not the
   model, decides what fits, as it does for ``pt-budget``. A plan whose step
-  runs the decisions of a plan already measured (same bucket decisions: the same compiled step) is not
-  measured again: its point names the run that measured it. At a ceiling at
-  or above store-all's measured peak the eager-loss methods are store-all's
-  point, not planned at all.
+  runs the decisions of a plan already measured (same bucket decisions: the
+  same compiled step) is not measured again: its point names the run that
+  measured it. At a ceiling at or above store-all's measured peak the
+  eager-loss methods are store-all's point, not planned at all.
 - ``pt-budget``: the grid of ``activation_memory_budget`` probes
   (``search.grid``) is compiled once; at each ceiling the fastest probe whose
   measured peak fits is its point, and probes chosen at no ceiling are closed.

@@ -214,6 +214,8 @@ def test_trace_codecs_must_hold_every_codec_a_plan_may_use():
     assert BackendOptions.from_mapping({"codecs": ["int8"]}).profiled_codecs == ("int8",)
     with pytest.raises(ValueError, match=r"codecs \['int4'\] are not in trace_codecs \['bf16', 'int8'\]"):
         BackendOptions.from_mapping({"codecs": ["int4"], "trace_codecs": ["bf16", "int8"]})
+    with pytest.raises(ValueError, match=r"codecs \['bf16'\] are not in trace_codecs \['int8'\]"):
+        BackendOptions.from_mapping({"trace_codecs": ["int8"]})  # the default codecs are bf16 and int8
 
 
 def test_unknown_option_lists_the_known_ones():

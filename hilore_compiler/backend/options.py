@@ -93,8 +93,9 @@ class BackendOptions:
         for name in ("codecs", "trace_codecs"):
             if options.get(name) is not None:
                 options[name] = tuple(options[name])
-        missing = [c for c in options.get("codecs", cls.codecs) if options.get("trace_codecs") is not None
-                   and c not in options["trace_codecs"]]
+        traced = options.get("trace_codecs")
+        codecs = options["codecs"] if "codecs" in options else _default("codecs")
+        missing = [c for c in codecs if c not in traced] if traced is not None else []
         if missing:
             raise ValueError(f"hilore backend options: codecs {missing} are not in trace_codecs "
                              f"{list(options['trace_codecs'])}; the trace must profile every codec a plan may use")
@@ -106,6 +107,11 @@ class BackendOptions:
         if "cache_dir" in options:
             options["cache_dir"] = os.fspath(options["cache_dir"])
         return cls(**options)
+
+
+def _default(name: str) -> Any:
+    """The default of the ``BackendOptions`` field ``name``."""
+    return next(f.default for f in dataclasses.fields(BackendOptions) if f.name == name)
 
 
 def _as_tuple(value: Any) -> tuple:

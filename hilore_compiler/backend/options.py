@@ -129,6 +129,10 @@ def _path(value: Any) -> bool:
     return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
 
 
+def _codec_names(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(c, str) and c for c in value)
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
@@ -142,9 +146,8 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
                       'a string such as "1.10x-gc", "0.5x-store" or "6GiB"'),
     "risk_budget": (lambda v: v is None or _number(v) or (isinstance(v, str) and v.strip() != ""),
                     'a number >= 0, None (the calibrated default), or a string such as "cos>=0.999"'),
-    "codecs": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(c, str) and c for c in v),
-               'a list of codec names such as ["bf16", "int8"] (a list, even for one codec)'),
-    "trace_codecs": (lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, str) and c for c in v)),
+    "codecs": (_codec_names, 'a list of codec names such as ["bf16", "int8"] (a list, even for one codec)'),
+    "trace_codecs": (lambda v: v is None or _codec_names(v),
                      "a list of codec names (a superset of codecs), or None (the same as codecs)"),
     "buckets": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive int (the number of non-zero exposure buckets)"),

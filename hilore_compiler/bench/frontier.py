@@ -148,23 +148,28 @@ def _planned_point(launcher: Launcher, runs: dict[str, MethodRun], method: str, 
         multiple *= limit / peak * (1 - REFIT_MARGIN)
         launcher.progress(f"{name}: measured {peak / gc_peak:.3f} x GC, over the ceiling; "
                           f"planning again at {multiple:.4g}x-gc")
-    refit = "; ".join(f"the {m:.4g}x-gc plan measured {p / gc_peak:.3f} x GC" for m, p in over)
+    refit = ""
     if over:
         run.info["refits"] = [{"budget": f"{m:.6g}x-gc", "peak_bytes": int(p)} for m, p in over]
-        refit = f"planned at {multiple:.4g}x-gc: {refit}"
+        refit = f"planned at {multiple:.4g}x-gc: " + "; ".join(
+            f"the {m:.4g}x-gc plan measured {p / gc_peak:.3f} x GC" for m, p in over)
     if run.status == SAME_PLAN:
         twin = run.info["same_plan_as"]
-        return Point(**point, run=twin, status=MEASURED,
-                     note="; ".join(n for n in (f"the same plan as {twin}, measured once", refit) if n))
+        return Point(**point, run=twin, status=MEASURED, note=_notes(f"the same plan as {twin}, measured once", refit))
     runs[name] = run
     if run.status == "ok":
         return Point(**point, run=name, status=MEASURED, note=refit)
     needs = run.info.get("min_budget_bytes")
     if needs is not None:
         return Point(**point, run=None, status=DOES_NOT_FIT, min_budget_bytes=int(needs),
-                     note="; ".join(n for n in (f"no plan fits; the smallest budget the solver meets is "
-                                                f"{needs / 1e6:.1f} MB ({needs / gc_peak:.3f} x GC)", refit) if n))
+                     note=_notes(f"no plan fits; the smallest budget the solver meets is {needs / 1e6:.1f} MB "
+                                 f"({needs / gc_peak:.3f} x GC)", refit))
     return Point(**point, run=None, status=FAILED, note=(run.error or "").splitlines()[0][:120])
+
+
+def _notes(*notes: str) -> str:
+    """A point's notes, the empty ones left out."""
+    return "; ".join(n for n in notes if n)
 
 
 def same_plan_run(runs: dict[str, MethodRun], method: str, info: dict[str, Any]) -> str | None:

@@ -1,0 +1,83 @@
+"""What a codec's encode and decode cost compiled, against what the trace prices them at.
+
+The tracer prices a codec by memory traffic alone (``passes/profile.py``,
+``_codec_measured_seconds``): encode reads the tensor and writes the payload,
+decode the reverse, at this machine's copy bandwidth. That was checked for
+int8 (all 55 units of ``small`` compressed: 46 ms measured, 43 ms priced); it
+makes int4, whose payload is half int8's, the cheaper codec. This study
+compiles each codec's encode and decode with Inductor, as the step runs them,
+times them on activations of ``small``'s shapes (B=2, T=2048: hidden 256 and
+MLP width 688; half the bytes in bf16) and prints both figures per unit. Run from the repository root,
+on an otherwise idle machine (about a minute):
+
+    python3 bench/codec_cost.py [--threads 1] [--dtype float32]
+
+The compiled kernels here stand alone: in the step Inductor fuses encode into
+the op that makes the value and decode into its first use, which saves one
+read or write of the full-size tensor each, so these times are an upper bound
+on what the step adds; the traffic price is the lower one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hilore_compiler.codecs import get_codec
+from hilore_compiler.passes.profile import copy_bandwidth
+
+#: (label, shape) of the activations ``small`` saves at B=2, T=2048.
+SHAPES = (("hidden", (2, 2048, 256)), ("MLP", (2, 2048, 688)))
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--codecs", default="int8,int4")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth(torch.device("cpu"))
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} thread(s), {args.dtype}")
+    print("codec  unit    MB     encode ms  decode ms  compiled ms  priced ms  compiled / priced")
+    for name in args.codecs.split(","):
+        codec = get_codec(name)
+        if not codec.supports(dtype):
+            print(f"{name:<6} does not take {args.dtype}")
+            continue
+        encode = torch.compile(codec.encode_unchecked, dynamic=False)
+        decode = torch.compile(lambda parts, c=codec: c.decode(parts, dtype), dynamic=False)
+        for label, shape in SHAPES:
+            # Distinct inputs per call, larger together than the last-level
+            # cache, so the codec streams from memory as a saved activation does.
+            xs = [torch.randn(shape, dtype=dtype) for _ in range(8)]
+            encoded = [encode(x) for x in xs]
+            i = iter(range(10**9))
+            enc = median_seconds(lambda: encode(xs[next(i) % len(xs)]), args.repeats)
+            j = iter(range(10**9))
+            dec = median_seconds(lambda: decode(encoded[next(j) % len(encoded)]), args.repeats)
+            raw = xs[0].numel() * xs[0].element_size()
+            payload = sum(p.numel() * p.element_size() for p in encoded[0])
+            priced = 2 * (raw + payload) / bandwidth
+            print(f"{name:<6} {label:<7} {raw / 1e6:5.1f}  {enc * 1e3:9.2f}  {dec * 1e3:9.2f}  {(enc + dec) * 1e3:11.2f}  "
+                  f"{priced * 1e3:9.2f}  {(enc + dec) / priced:17.1f}")
+
+
+if __name__ == "__main__":
+    main()

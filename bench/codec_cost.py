@@ -21,27 +21,15 @@ on what the step adds; the traffic price is the lower one.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import itertools
 
 import torch
 
 from hilore_compiler.codecs import get_codec
-from hilore_compiler.passes.profile import copy_bandwidth
+from hilore_compiler.passes.profile import ProfileConfig, _codec_measured_seconds, _median_seconds, copy_bandwidth
 
 #: (label, shape) of the activations ``small`` saves at B=2, T=2048.
 SHAPES = (("hidden", (2, 2048, 256)), ("MLP", (2, 2048, 688)))
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -53,7 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    bandwidth = copy_bandwidth(torch.device("cpu"))
+    bandwidth = copy_bandwidth(torch.device("cpu"))  # measured once; the price below reuses it
+    timing = ProfileConfig(warmup=2, repeats=args.repeats)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} thread(s), {args.dtype}")
     print("codec  unit    MB     encode ms  decode ms  compiled ms  priced ms  compiled / priced")
     for name in args.codecs.split(","):
@@ -68,13 +57,12 @@ def main() -> None:
             # cache, so the codec streams from memory as a saved activation does.
             xs = [torch.randn(shape, dtype=dtype) for _ in range(8)]
             encoded = [encode(x) for x in xs]
-            i = iter(range(10**9))
-            enc = median_seconds(lambda: encode(xs[next(i) % len(xs)]), args.repeats)
-            j = iter(range(10**9))
-            dec = median_seconds(lambda: decode(encoded[next(j) % len(encoded)]), args.repeats)
+            raw_inputs, encoded_inputs = itertools.cycle(xs), itertools.cycle(encoded)
+            enc = _median_seconds(lambda: encode(next(raw_inputs)), timing)
+            dec = _median_seconds(lambda: decode(next(encoded_inputs)), timing)
             raw = xs[0].numel() * xs[0].element_size()
-            payload = sum(p.numel() * p.element_size() for p in encoded[0])
-            priced = 2 * (raw + payload) / bandwidth
+            # The tracer's own price of this unit (passes/profile.py), not a copy of its formula.
+            priced = _codec_measured_seconds(xs[:1], codec.encoded_nbytes_expr(shape, dtype), timing)
             print(f"{name:<6} {label:<7} {raw / 1e6:5.1f}  {enc * 1e3:9.2f}  {dec * 1e3:9.2f}  {(enc + dec) * 1e3:11.2f}  "
                   f"{priced * 1e3:9.2f}  {(enc + dec) / priced:17.1f}")
 

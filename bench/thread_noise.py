@@ -7,7 +7,7 @@ OpenMP parallel region waits for its slowest thread, so a vCPU the host takes
 away for a moment stalls the whole region. This study times the same matmul
 loop (about 2 s, the length of a bench step) again and again at each thread
 count and prints the spread of its log time, the quantity the paired
-intervals (bench/paired.py) are made of. Run from the repository root, on an
+intervals (hilore_compiler/bench/paired.py) are made of. Run from the repository root, on an
 otherwise idle machine (about 4 minutes):
 
     python3 bench/thread_noise.py [--repeats 40] [--seconds 2.0]

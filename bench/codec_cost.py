@@ -1,21 +1,23 @@
-"""What a codec's encode and decode cost compiled, against what the trace prices them at.
+"""What a codec's encode and decode cost compiled, against their memory traffic and the trace's price.
 
-The tracer prices a codec by memory traffic alone (``passes/profile.py``,
-``_codec_measured_seconds``): encode reads the tensor and writes the payload,
-decode the reverse, at this machine's copy bandwidth. That was checked for
-int8 (all 55 units of ``small`` compressed: 46 ms measured, 43 ms priced); it
-makes int4, whose payload is half int8's, the cheaper codec. This study
-compiles each codec's encode and decode with Inductor, as the step runs them,
-times them on activations of ``small``'s shapes (B=2, T=2048: hidden 256 and
-MLP width 688; half the bytes in bf16) and prints both figures per unit. Run from the repository root,
-on an otherwise idle machine (about a minute):
+The tracer prices a codec by its Inductor-compiled encode and decode, timed once
+per (codec, dtype, row length) on 4 MB probes (``passes/codec_timing.py``); it
+used to price them by memory traffic alone, encode reading the tensor and
+writing the payload and decode the reverse, at this machine's copy bandwidth
+(``passes/profile.py``, ``_codec_traffic_seconds``, still the price of units
+under 128 KB). Traffic is right for int8 in fp32 within 1.4-1.7x but makes
+int4, whose payload is half int8's, the cheaper codec, which it is not. This
+study compiles each codec's encode and decode with Inductor, as the step runs
+them, times them on activations of ``small``'s shapes (B=2, T=2048: hidden 256
+and MLP width 688; half the bytes in bf16) and prints the three figures per
+unit. Run from the repository root, on an otherwise idle machine (about a minute):
 
     python3 bench/codec_cost.py [--threads 1] [--dtype float32]
 
-The compiled kernels here stand alone: in the step Inductor fuses encode into
-the op that makes the value and decode into its first use, which saves one
-read or write of the full-size tensor each, so these times are an upper bound
-on what the step adds; the traffic price is the lower one.
+The compiled kernels here stand alone: in the step Inductor may fuse encode
+into the op that makes the value and decode into its first use, which saves a
+read or write of the full-size tensor each, so these times and the trace's
+price are an upper bound on what the step adds; the traffic price is the lower one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import itertools
 import torch
 
 from hilore_compiler.codecs import get_codec
-from hilore_compiler.passes.profile import ProfileConfig, _codec_measured_seconds, _median_seconds, copy_bandwidth
+from hilore_compiler.passes.profile import (ProfileConfig, _codec_measured_seconds, _codec_traffic_seconds,
+                                            _median_seconds, copy_bandwidth)
 
 #: (label, shape) of the activations ``small`` saves at B=2, T=2048.
 SHAPES = (("hidden", (2, 2048, 256)), ("MLP", (2, 2048, 688)))
@@ -44,7 +47,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cpu"))  # measured once; the price below reuses it
     timing = ProfileConfig(warmup=2, repeats=args.repeats)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} thread(s), {args.dtype}")
-    print("codec  unit    MB     encode ms  decode ms  compiled ms  priced ms  compiled / priced")
+    print("codec  unit    MB     encode ms  decode ms  compiled ms  traffic ms  compiled / traffic  priced ms")
     for name in args.codecs.split(","):
         codec = get_codec(name)
         if not codec.supports(dtype):
@@ -61,11 +64,12 @@ def main() -> None:
             enc = _median_seconds(lambda: encode(next(raw_inputs)), timing)
             dec = _median_seconds(lambda: decode(next(encoded_inputs)), timing)
             raw = xs[0].numel() * xs[0].element_size()
-            # The tracer's own price of this unit (passes/profile.py), not a copy of its formula.
-            priced = _codec_measured_seconds(xs[:1], codec.encoded_nbytes_expr(shape, dtype), timing)
+            payload = codec.encoded_nbytes_expr(shape, dtype)
+            # The tracer's own prices of this unit (passes/profile.py), not copies of their formulas.
+            traffic = _codec_traffic_seconds(xs[:1], payload, timing)
+            priced = _codec_measured_seconds(codec, xs[:1], payload, timing)
             print(f"{name:<6} {label:<7} {raw / 1e6:5.1f}  {enc * 1e3:9.2f}  {dec * 1e3:9.2f}  {(enc + dec) * 1e3:11.2f}  "
-                  f"{priced * 1e3:9.2f}  {(enc + dec) / priced:17.1f}")
-
+                  f"{traffic * 1e3:10.2f}  {(enc + dec) / traffic:18.1f}  {priced * 1e3:9.2f}")
 
 if __name__ == "__main__":
     main()

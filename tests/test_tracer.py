@@ -9,6 +9,7 @@ import textwrap
 import warnings
 
 import pytest
+import sympy
 import torch
 
 from hilore_compiler.jsonio import FormatError
@@ -108,18 +109,60 @@ def test_layers_kinds_and_codecs(tiny_trace):
     assert eval_size(tiny_trace.gc_bytes, 2, 32) < eval_size(tiny_trace.store_bytes, 2, 32)
 
 
-def test_codec_time_is_its_traffic_at_the_measured_copy_bandwidth(tiny_trace):
-    """A fused round trip reads and writes the tensor and the payload once each
-    (passes/profile.py): its time is that traffic over the copy bandwidth."""
-    from hilore_compiler.passes.profile import copy_bandwidth
+def test_codec_time_is_its_compiled_round_trip_per_row_length():
+    """A codec is priced at its Inductor-compiled encode + decode, timed once per
+    (codec, dtype, row length) and scaled to each encoded tensor's bytes
+    (passes/codec_timing.py)."""
+    from hilore_compiler.codecs import get_codec
+    from hilore_compiler.passes.codec_timing import codec_seconds_per_byte
+    from hilore_compiler.passes.profile import ProfileConfig, _codec_measured_seconds
 
-    bandwidth = copy_bandwidth(torch.device("cpu"))
-    assert bandwidth > 1e8  # bytes/s; any machine that trains moves more
-    for u in tiny_trace.units:
-        for name, cost in u.codecs.items():
-            if cost.usable:
-                moved = 2 * (u.bytes_at_trace + eval_size(cost.bytes, 2, 32))
-                assert cost.time_s == pytest.approx(moved / bandwidth, rel=1e-9), (u.key, name)
+    cpu = torch.device("cpu")
+    tensors = [torch.randn(2, 512, 32), torch.randn(2, 512, 48)]  # 128 KB and 192 KB: priced compiled
+    rates = [codec_seconds_per_byte("int8", torch.float32, row, cpu) for row in (32, 48)]
+    assert all(rate is not None and rate > 0 for rate in rates)
+    hits = codec_seconds_per_byte.cache_info().hits
+    seconds = _codec_measured_seconds(get_codec("int8"), tensors, sympy.Integer(0), ProfileConfig())
+    assert codec_seconds_per_byte.cache_info().hits == hits + 2  # both rows reused, nothing re-timed
+    assert seconds == pytest.approx(sum(r * t.numel() * 4 for r, t in zip(rates, tensors)), rel=1e-12)
+
+
+def test_small_units_are_priced_by_traffic_without_a_compile(monkeypatch):
+    from hilore_compiler.codecs import get_codec
+    from hilore_compiler.passes import codec_timing, profile
+
+    def must_not_compile(*args):
+        raise AssertionError("compiled a codec for a unit under COMPILED_CODEC_MIN_BYTES")
+
+    monkeypatch.setattr(profile, "codec_seconds_per_byte", must_not_compile)
+    tensors, payload = [torch.randn(2, 32, 64)], sympy.Integer(2 * 32 * 64 + 2 * 32 * 4)  # 16 KB
+    config = profile.ProfileConfig(batch=2, seq_len=32)
+    assert profile._codec_measured_seconds(get_codec("int8"), tensors, payload, config) == \
+        profile._codec_traffic_seconds(tensors, payload, config)
+
+
+def test_codec_that_cannot_compile_is_priced_by_traffic_and_said_once(monkeypatch, caplog):
+    from hilore_compiler.codecs import get_codec
+    from hilore_compiler.passes import codec_timing
+    from hilore_compiler.passes.profile import ProfileConfig, _codec_measured_seconds, _codec_traffic_seconds
+
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(codec_timing, "_measure", no_compiler)
+    codec_timing.codec_seconds_per_byte.cache_clear()
+    codec_timing._warn_once.cache_clear()
+    try:
+        tensors, payload = [torch.randn(2, 512, 40)], sympy.Integer(2 * 512 * 40 + 2 * 512 * 4)
+        config = ProfileConfig(batch=2, seq_len=512)
+        with caplog.at_level("WARNING", logger=codec_timing.__name__):
+            for _ in range(2):
+                seconds = _codec_measured_seconds(get_codec("int8"), tensors, payload, config)
+        assert seconds == _codec_traffic_seconds(tensors, payload, config) > 0
+        warnings = [r.getMessage() for r in caplog.records if "could not compile codec int8" in r.getMessage()]
+        assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "memory traffic" in warnings[0]
+    finally:
+        codec_timing.codec_seconds_per_byte.cache_clear()  # later tests time the real kernels
 
 
 _KEYS_SCRIPT = textwrap.dedent("""

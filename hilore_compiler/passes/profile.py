@@ -3,9 +3,9 @@
 Measured costs run on the tensors of a real forward pass: each unit's
 recompute region is extracted into its own graph and re-run from the saved
 values it reads (warm-up, repeats, median); each codec encodes and decodes
-the real saved tensor for its error, and its time is the memory traffic of a
-fused round trip at the machine's measured copy bandwidth
-(``_codec_measured_seconds`` says why not the eager round trip). Roofline
+the real saved tensor for its error, and its time is that of its encode and
+decode compiled by Inductor, as the step runs them (``codec_timing``; not the
+eager round trip, whose half-dozen separate kernels cost many times more). Roofline
 costs estimate the same from FLOPs and bytes with a device's published peaks
 (``costmodel``), so a trace for a GPU can be made on a machine without one,
 even for a model on the meta device.
@@ -30,6 +30,7 @@ from .costmodel import DeviceSpec, device_spec, op_seconds
 from ..sizeexpr import format_size
 from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
+from .codec_timing import codec_seconds_per_byte
 from .sizes import largest, nbytes_expr, shape_expr, total_nbytes
 
 
@@ -146,7 +147,7 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
     except codec_registry.NonFiniteError as e:
         return unusable(str(e))
     if config.cost_model == "measured":
-        seconds = _codec_measured_seconds(tensors, payload, config)
+        seconds = _codec_measured_seconds(codec, tensors, payload, config)
     else:
         seconds = _codec_roofline_seconds(tensors, payload, config)
     return CodecCost(bytes=format_size(payload), time_s=seconds, rel_l2=rel, max_abs=max_abs,
@@ -184,18 +185,34 @@ def _codec_error(codec, tensors: list[torch.Tensor]) -> tuple[float, float]:
     return rel, max_abs
 
 
-def _codec_measured_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, config: ProfileConfig) -> float:
-    """What a codec adds to a compiled step: its memory traffic at this
-    machine's measured copy bandwidth.
+#: Units smaller than this are priced by traffic: a codec on 128 KB costs tens
+#: of microseconds at any plausible bandwidth, so even 3x off it moves a step by
+#: well under 1%, while compiling a codec for another row length costs seconds
+#: (``codec_timing``). Tiny test models stay under it; ``small``'s units
+#: (0.26-11 MB at 256-2048 tokens) are over.
+COMPILED_CODEC_MIN_BYTES = 128 << 10
 
-    Not the eager round trip: that runs the codec's half-dozen ops as separate
-    kernels, while Inductor fuses the encode into the op that makes the value
-    and the decode into its first backward use, so the codec moves the payload
-    and little else. On ``small`` (B=2, T=2048, CPU) the eager round trips of
-    the 55 units summed to 1.39 s per step; compressing all of them int8 in the
-    compiled step added 46 ms over store-all (``hilore bench``), and this
-    model says 43 ms. Encode reads the tensor and writes the payload, decode
-    the reverse.
+
+def _codec_measured_seconds(codec, tensors: list[torch.Tensor], payload: sympy.Expr,
+                            config: ProfileConfig) -> float:
+    """What a codec adds to a compiled step: its compiled encode and decode on
+    tensors of these dtypes and row lengths (``codec_timing``), scaled to their
+    bytes; the traffic price (``_codec_traffic_seconds``) for a unit too small to
+    be worth a compile, or where the codec cannot be compiled.
+    """
+    if sum(t.numel() * t.element_size() for t in tensors) < COMPILED_CODEC_MIN_BYTES:
+        return _codec_traffic_seconds(tensors, payload, config)
+    rates = [codec_seconds_per_byte(codec.name, t.dtype, t.shape[-1], t.device) for t in tensors]
+    if any(rate is None for rate in rates):
+        return _codec_traffic_seconds(tensors, payload, config)
+    return sum(rate * t.numel() * t.element_size() for rate, t in zip(rates, tensors))
+
+
+def _codec_traffic_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, config: ProfileConfig) -> float:
+    """The floor of a codec's cost: its memory traffic at this machine's measured
+    copy bandwidth, as if fused into the ops around it. Encode reads the tensor
+    and writes the payload, decode the reverse. It undercounts the codec's own
+    compute (row reductions, int4's nibble packing): ``codec_timing`` says how much.
     """
     raw = sum(t.numel() * t.element_size() for t in tensors)
     moved = 2 * (raw + eval_size(payload, config.batch, config.seq_len))

@@ -1,0 +1,94 @@
+"""What a codec costs in a compiled step: its Inductor-compiled encode and
+decode, timed once per process.
+
+The step runs a codec as Inductor kernels, so that is what is timed. Memory
+traffic alone (read the tensor, write the payload, and back) undercounts the
+compute the kernels add: the row-wise absmax reductions, and int4's nibble
+packing, which makes int4 dearer than int8 although its payload is half as
+large. Compiled alone at ``small``'s shapes on one CPU thread, fp32 int8 costs
+1.4-1.7x its traffic and int4 1.9-3.4x; bf16 int8 2.6-2.7x, int4 3.2-3.8x
+(``bench/codec_cost.py``). Pricing by traffic made the planner prefer int4
+where int8 was faster.
+
+Each (codec, dtype, row length, device) is compiled once and timed on a probe
+set of tensors larger than a CPU's last-level cache, so it streams from memory
+as a saved activation does in backward; a unit's price is its bytes times that
+rate. The codecs are row-wise, so the row length (the last dimension) is what
+changes their kernels; the number of rows only scales them.
+
+Compiled with ``make_fx`` + ``compile_fx``, not ``torch.compile``: the tracer
+runs inside the hilore backend, where dynamo would count every probe shape as
+a recompile of one function and stop at its recompile limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import codecs as codec_registry
+
+log = logging.getLogger(__name__)
+
+#: A codec is timed on this many distinct probe tensors in turn, each of
+#: ``CODEC_PROBE_BYTES``: 32 MB together, past a VM's share of the last-level
+#: cache, so each call streams from memory as a saved activation does in
+#: backward. Each is the size of a typical unit (``small``'s are 4-11 MB); one
+#: large probe would be timed mostly on page faults, as allocations over
+#: glibc's 32 MB mmap ceiling are mapped afresh at every call.
+CODEC_PROBES, CODEC_PROBE_BYTES = 8, 4 << 20
+#: Untimed calls, then timed calls whose median is kept (as ``copy_bandwidth``).
+PROBE_WARMUP, PROBE_REPEATS = 1, 5
+
+
+@functools.cache
+def codec_seconds_per_byte(name: str, dtype: torch.dtype, row: int, device: torch.device) -> float | None:
+    """Seconds a compiled encode plus decode of codec ``name`` takes per byte of
+    a ``dtype`` tensor whose rows hold ``row`` elements, on ``device``.
+
+    None, with one warning, where the codec cannot be compiled here (no C++
+    compiler, say): the caller then prices by traffic.
+    """
+    try:
+        return _measure(codec_registry.get_codec(name), dtype, row, device)
+    except Exception as error:  # pricing never stops tracing: the traffic price stands in
+        _warn_once(f"could not compile codec {name} for {dtype} rows of {row} on {device} "
+                   f"({type(error).__name__}: {error}); pricing it by memory traffic instead")
+        return None
+
+
+def _measure(codec: codec_registry.Codec, dtype: torch.dtype, row: int, device: torch.device) -> float:
+    from .profile import ProfileConfig, _median_seconds
+
+    rows = max(1, CODEC_PROBE_BYTES // (row * dtype.itemsize))
+    probes = [torch.randn(rows, row, device=device).to(dtype) for _ in range(CODEC_PROBES)]  # (rows, row) each
+    encode = _compiled(lambda x: codec.encode_unchecked(x), probes[0])
+    encoded = [tuple(encode(x)) for x in probes]
+    decode = _compiled(lambda p: (codec.decode(p, dtype),), encoded[0])
+    timing = ProfileConfig(warmup=PROBE_WARMUP, repeats=PROBE_REPEATS * CODEC_PROBES)
+    raw_inputs, encoded_inputs = itertools.cycle(probes), itertools.cycle(encoded)
+    seconds = (_median_seconds(lambda: encode(next(raw_inputs)), timing)
+               + _median_seconds(lambda: decode(next(encoded_inputs)), timing))
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise RuntimeError(f"timed {seconds} s")
+    return seconds / (probes[0].numel() * probes[0].element_size())
+
+
+def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``fn`` traced to aten and compiled by Inductor for exactly these inputs."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch.no_grad():
+        gm = make_fx(fn)(*args)
+        return compile_fx(gm, list(args))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)

@@ -27,6 +27,7 @@ from hilore_compiler.bench.rounds import MethodRun
 from hilore_compiler.bench.runner import BenchConfig
 from hilore_compiler.cli import build_parser
 from hilore_compiler.commands.bench import config_from_args
+from hilore_compiler.tracefile import load_trace
 
 CEILINGS = (0.8, 1.1, 1.5)
 
@@ -194,6 +195,13 @@ def test_a_plan_whose_lowered_budget_no_plan_meets_does_not_fit_and_says_why():
     assert [r.status for r in runs.values()] == ["failed"]  # the infeasible re-plan, as any unfit plan is
 
 
+def test_calibrate_is_for_the_frontier():
+    with pytest.raises(ValueError, match="give ceilings too"):
+        BenchConfig(calibrate=True)
+    args = build_parser().parse_args(["bench", "--quick", "--ceilings", "1.5", "--calibrate"])
+    assert config_from_args(args).calibrate
+
+
 def test_cli_ceilings_take_multiples_of_gc_with_or_without_the_suffix():
     args = build_parser().parse_args(["bench", "--quick", "--ceilings", "0.8, 1.0,1.5x-gc", "--risk-budget",
                                       "cos>=0.99"])
@@ -217,8 +225,14 @@ def test_a_quick_sweep_plans_per_ceiling_and_reports_a_ceiling_no_plan_fits(requ
     cache = request.config.cache.mkdir("hilore-frontier-compile")
     config = BenchConfig(model="tiny", batch=2, seq_len=128, methods=("gc", "hilore"), ceilings=(0.3, 1.5),
                          repeats=2, steps_per_round=1, warmup=1, settle_rounds=0, device="cpu", threads=1,
-                         cache_dir=str(cache))
-    result = run_frontier(config, progress=lambda m: None)
+                         cache_dir=str(cache), calibrate=True)
+    messages = []
+    result = run_frontier(config, progress=messages.append)
+    # --calibrate: the plans come from the shared cache's trace, measured per unit.
+    trace_path = max((cache / "hilore").glob("*.trace.json"), key=lambda p: p.stat().st_mtime)
+    calibrated = load_trace(trace_path)
+    assert sum(bool(u.sensitivity) for u in calibrated.units) > len(calibrated.units) // 2
+    assert any(m.startswith("calibrate: ") for m in messages)
     points = {(p.method, p.ceiling): p for p in result.points}
     gc_peak = result.gc_peaks["gc"]
     low, high = points[("hilore", 0.3)], points[("hilore", 1.5)]

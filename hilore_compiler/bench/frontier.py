@@ -23,6 +23,9 @@ budgeted methods are planned or searched at each ceiling:
   (``search.grid``) is compiled once; at each ceiling the fastest probe whose
   measured peak fits is its point, and probes chosen at no ceiling are closed.
 
+With ``calibrate``, every plan is made from a trace calibrated per unit first
+(``calibrate.py``).
+
 Then every run still measuring alternates in the rounds (``rounds.py``), so
 every point's paired ratio against GC, and against any other point, comes from
 the same rounds.
@@ -34,6 +37,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from .calibrate import calibrate_cached_trace
 from .launcher import REFERENCE_GC, SAME_PLAN, Launcher
 from .methods import METHODS, STEP_METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, warm_peak, warm_seconds
@@ -104,6 +108,9 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
         for method in (m for m in METHODS if m in config.methods and m not in BUDGETED):
             runs[method] = launcher.start(method)
             points += [Point(method=method, ceiling=c, run=method, status=MEASURED) for c in config.ceilings]
+        planned = [m for m in METHODS if m in config.methods and m in BUDGETED and m != "pt-budget"]
+        if config.calibrate and planned:
+            calibrate_cached_trace(launcher, planned[0], max(config.ceilings))
         for method in (m for m in METHODS if m in config.methods and m in BUDGETED):
             if method == "pt-budget":
                 more, probes = _pt_budget_points(launcher, runs, progress)

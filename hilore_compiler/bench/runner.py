@@ -78,6 +78,9 @@ class BenchConfig:
     budget_probes: int = 4
     #: Persistent cache directory; None: a fresh temporary one per run.
     cache_dir: str | None = None
+    #: The frontier's plans made from a trace calibrated per unit (``calibrate.py``),
+    #: measured gradient sensitivities instead of the proxy.
+    calibrate: bool = False
     #: Parameter dtype of the policy (``DTYPES``); log-probs and loss stay fp32.
     dtype: str = "float32"
     #: ``hilore-step``'s candidate chunk sizes (``MethodOptions.step_chunks``);
@@ -102,6 +105,8 @@ class BenchConfig:
                              f"got {self.step_chunks}")
         if any(not 0 < c < 100 for c in self.ceilings) or len(set(self.ceilings)) != len(self.ceilings):
             raise ValueError(f"ceilings must be distinct positive multiples of GC's peak, got {self.ceilings}")
+        if self.calibrate and not self.ceilings:
+            raise ValueError("calibrate applies to the frontier: give ceilings too (--ceilings)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         unknown_codecs = [c for c in self.hilore_codecs if c not in codec_names()]

@@ -88,6 +88,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
                         "int8-recompute, pt-budget, hilore-step) is planned or searched at each, the others placed where "
                         "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --ceilings: plan from a trace calibrated per unit (hilore calibrate --per-unit, "
+                        "a forward and backward per unit and codec, about 10 minutes for small at 2048 tokens) "
+                        "instead of proxy sensitivities")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
     p.add_argument("--nproc", type=int,

@@ -23,13 +23,12 @@ price are an upper bound on what the step adds; the traffic price is the lower o
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
 from hilore_compiler.codecs import get_codec
-from hilore_compiler.passes.profile import (ProfileConfig, _codec_measured_seconds, _codec_traffic_seconds,
-                                            _median_seconds, copy_bandwidth)
+from hilore_compiler.passes.codec_timing import encode_decode_seconds
+from hilore_compiler.passes.profile import ProfileConfig, _codec_measured_seconds, _codec_traffic_seconds, copy_bandwidth
 
 #: (label, shape) of the activations ``small`` saves at B=2, T=2048.
 SHAPES = (("hidden", (2, 2048, 256)), ("MLP", (2, 2048, 688)))
@@ -45,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(torch.device("cpu"))  # measured once; the price below reuses it
-    timing = ProfileConfig(warmup=2, repeats=args.repeats)
+    timing = ProfileConfig()  # only the priced figures read it (batch, seq_len)
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), {args.threads} thread(s), {args.dtype}")
     print("codec  unit    MB     encode ms  decode ms  compiled ms  traffic ms  compiled / traffic  priced ms")
     for name in args.codecs.split(","):
@@ -53,16 +52,11 @@ def main() -> None:
         if not codec.supports(dtype):
             print(f"{name:<6} does not take {args.dtype}")
             continue
-        encode = torch.compile(codec.encode_unchecked, dynamic=False)
-        decode = torch.compile(lambda parts, c=codec: c.decode(parts, dtype), dynamic=False)
         for label, shape in SHAPES:
             # Distinct inputs per call, larger together than the last-level
             # cache, so the codec streams from memory as a saved activation does.
             xs = [torch.randn(shape, dtype=dtype) for _ in range(8)]
-            encoded = [encode(x) for x in xs]
-            raw_inputs, encoded_inputs = itertools.cycle(xs), itertools.cycle(encoded)
-            enc = _median_seconds(lambda: encode(next(raw_inputs)), timing)
-            dec = _median_seconds(lambda: decode(next(encoded_inputs)), timing)
+            enc, dec = encode_decode_seconds(codec, xs, repeats=args.repeats)
             raw = xs[0].numel() * xs[0].element_size()
             payload = codec.encoded_nbytes_expr(shape, dtype)
             # The tracer's own prices of this unit (passes/profile.py), not copies of their formulas.
@@ -70,6 +64,7 @@ def main() -> None:
             priced = _codec_measured_seconds(codec, xs[:1], payload, timing)
             print(f"{name:<6} {label:<7} {raw / 1e6:5.1f}  {enc * 1e3:9.2f}  {dec * 1e3:9.2f}  {(enc + dec) * 1e3:11.2f}  "
                   f"{traffic * 1e3:10.2f}  {(enc + dec) / traffic:18.1f}  {priced * 1e3:9.2f}")
+
 
 if __name__ == "__main__":
     main()

@@ -64,20 +64,29 @@ def codec_seconds_per_byte(name: str, dtype: torch.dtype, row: int, device: torc
 
 
 def _measure(codec: codec_registry.Codec, dtype: torch.dtype, row: int, device: torch.device) -> float:
-    from .profile import ProfileConfig, _median_seconds
-
     rows = max(1, CODEC_PROBE_BYTES // (row * dtype.itemsize))
     probes = [torch.randn(rows, row, device=device).to(dtype) for _ in range(CODEC_PROBES)]  # (rows, row) each
-    encode = _compiled(lambda x: codec.encode_unchecked(x), probes[0])
-    encoded = [tuple(encode(x)) for x in probes]
-    decode = _compiled(lambda p: (codec.decode(p, dtype),), encoded[0])
-    timing = ProfileConfig(warmup=PROBE_WARMUP, repeats=PROBE_REPEATS * CODEC_PROBES)
-    raw_inputs, encoded_inputs = itertools.cycle(probes), itertools.cycle(encoded)
-    seconds = (_median_seconds(lambda: encode(next(raw_inputs)), timing)
-               + _median_seconds(lambda: decode(next(encoded_inputs)), timing))
+    encode_s, decode_s = encode_decode_seconds(codec, probes, repeats=PROBE_REPEATS * CODEC_PROBES)
+    seconds = encode_s + decode_s
     if not math.isfinite(seconds) or seconds <= 0:
         raise RuntimeError(f"timed {seconds} s")
     return seconds / (probes[0].numel() * probes[0].element_size())
+
+
+def encode_decode_seconds(codec: codec_registry.Codec, probes: list[torch.Tensor], *,
+                          repeats: int) -> tuple[float, float]:
+    """Median seconds of ``codec``'s compiled encode and of its compiled decode, each
+    call on the next of ``probes`` (same shape and dtype) in turn."""
+    from .profile import ProfileConfig, _median_seconds
+
+    dtype = probes[0].dtype
+    encode = _compiled(lambda x: codec.encode_unchecked(x), probes[0])
+    encoded = [tuple(encode(x)) for x in probes]
+    decode = _compiled(lambda p: (codec.decode(p, dtype),), encoded[0])
+    timing = ProfileConfig(warmup=PROBE_WARMUP, repeats=repeats)
+    raw_inputs, encoded_inputs = itertools.cycle(probes), itertools.cycle(encoded)
+    return (_median_seconds(lambda: encode(next(raw_inputs)), timing),
+            _median_seconds(lambda: decode(next(encoded_inputs)), timing))
 
 
 def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:

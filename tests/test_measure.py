@@ -37,8 +37,23 @@ def test_cpu_peak_counts_small_allocations_on_a_heap_with_free_pages():
         made = [torch.ones(4096) for _ in range(1024)]  # 16 MiB of 16 KiB tensors
         del made
 
-    assert measure_cpu(step).peak_bytes > 12 * 2**20
+    assert measure_cpu(step, trim=True).peak_bytes > 12 * 2**20
     del keep
+
+
+@pytest.mark.parametrize("env, trims", [({}, False), ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True)])
+def test_only_a_peak_worker_trims_the_heap_before_a_step(monkeypatch, env, trims):
+    """A timed worker (default allocator) runs on a resident heap as a trainer
+    does; a peak worker (the malloc setting) trims, so its VmHWM reads the step."""
+    from hilore_compiler.bench import measure
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    trimmed = []
+    monkeypatch.setattr(measure, "trim_heap", lambda: trimmed.append(True))
+    measure.measure_step(lambda: None, "cpu")
+    assert bool(trimmed) is trims
 
 
 def test_allocator_peak_sees_a_known_allocation_without_the_malloc_setting():

@@ -228,6 +228,26 @@ def test_paired_ratio_pairs_round_medians():
     assert pr.rounds == 2 and pr.ratio == pytest.approx(2.0) and pr.low == pytest.approx(2.0)
 
 
+def test_rounds_rotate_and_every_other_round_runs_backwards():
+    from hilore_compiler.bench.rounds import measure_rounds
+
+    asked: list[str] = []
+
+    class Worker:
+        def __init__(self, name):
+            self.name = name
+
+        def request(self, cmd, steps):
+            asked.append(self.name)
+            return {"samples": [{"seconds": 1.0, "peak_bytes": 0}] * steps}
+
+    runs = [MethodRun(method=m, worker=Worker(m)) for m in "abc"]
+    measure_rounds(runs, BenchConfig(model="tiny", repeats=4, steps_per_round=1, settle_rounds=0), lambda _: None)
+    # Rotated by one each round, and rounds 1 and 3 backwards: round 3 is round 0's order reversed,
+    # so of two neighbours (a, b) neither always goes first and a drift within a round favours neither.
+    assert [asked[i:i + 3] for i in range(0, 12, 3)] == [list("abc"), list("acb"), list("cab"), list("cba")]
+
+
 def test_settling_rounds_run_alternating_and_stay_out_of_the_ratios():
     from hilore_compiler.bench.rounds import measure_rounds
 

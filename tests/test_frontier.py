@@ -283,3 +283,16 @@ def test_the_launcher_closes_a_plan_already_measured_and_keeps_what_an_unfit_one
     monkeypatch.setattr(_Worker, "infeasible", True)
     unfit = launcher.start("hilore", tag="@0.8x", hilore_budget="0.8x-gc")
     assert unfit.status == "failed" and unfit.info["min_budget_bytes"] == 170_000_000
+
+
+def test_rounds_measure_each_ceilings_runs_back_to_back_after_the_fixed_methods():
+    from hilore_compiler.bench.frontier import measure_order
+
+    runs = {name: MethodRun(method=name.split("@")[0], name=name) for name in (
+        "gc", "gc-int8", "hilore@1x", "hilore@1.5x", "int8-recompute@1x", "int8-recompute@1.5x", "failed")}
+    points = [Point(method=m, ceiling=c, run=m, status=MEASURED) for m in ("gc", "gc-int8") for c in (1.0, 1.5)]
+    points += [Point(method=m, ceiling=c, run=f"{m}@{c:g}x", status=MEASURED)
+               for m in ("hilore", "int8-recompute") for c in (1.0, 1.5)]
+    points += [Point(method="hilore-blind", ceiling=1.5, run="hilore@1.5x", status=MEASURED)]
+    assert measure_order(runs, points) == ["gc", "gc-int8", "hilore@1x", "int8-recompute@1x",
+                                           "hilore@1.5x", "int8-recompute@1.5x", "failed"]

@@ -2,9 +2,9 @@
 
 ``MethodRun`` gathers one method's figures as a bench goes (set-up, settling
 and counted steps, peaks, gradient fidelity); ``measure_rounds`` asks every
-live worker, in an order rotated by one per round, for ``steps_per_round``
-measured steps. Alternating spreads slow phases of a shared machine over all
-methods instead of one. Both the step bench (``runner.py``) and the actor
+live worker, in an order rotated by one per round and reversed every other
+round, for ``steps_per_round`` measured steps. Alternating spreads slow phases
+of a shared machine over all methods instead of one. Both the step bench (``runner.py``) and the actor
 bench (``actor.py``) drive their workers this way.
 """
 
@@ -117,7 +117,10 @@ def measure_rounds(runs: list[MethodRun], config: Any, progress: Progress, *, pe
         if not live:
             return
         shift = r % len(live)  # rotate so no method always follows the same one
-        for run in live[shift:] + live[:shift]:
+        order = live[shift:] + live[:shift]
+        # Every other round runs backwards, so of two neighbours neither is always
+        # the first: a drift within the round then favours each in turn.
+        for run in order if r % 2 == 0 else order[::-1]:
             try:
                 reply = run.worker.request("measure", steps=config.steps_per_round)
             except WorkerError as e:

@@ -14,6 +14,7 @@ from hilore_compiler.bench.frontier import (
     Point,
     _planned_point,
     _pt_budget_points,
+    measure_order,
     same_plan_run,
 )
 from hilore_compiler.bench.frontier_report import (
@@ -286,8 +287,6 @@ def test_the_launcher_closes_a_plan_already_measured_and_keeps_what_an_unfit_one
 
 
 def test_rounds_measure_each_ceilings_runs_back_to_back_after_the_fixed_methods():
-    from hilore_compiler.bench.frontier import measure_order
-
     runs = {name: MethodRun(method=name.split("@")[0], name=name) for name in (
         "gc", "gc-int8", "hilore@1x", "hilore@1.5x", "int8-recompute@1x", "int8-recompute@1.5x", "failed")}
     points = [Point(method=m, ceiling=c, run=m, status=MEASURED) for m in ("gc", "gc-int8") for c in (1.0, 1.5)]

@@ -4,8 +4,8 @@
 and counted steps, peaks, gradient fidelity); ``measure_rounds`` asks every
 live worker, in an order rotated by one per round and reversed every other
 round, for ``steps_per_round`` measured steps. Alternating spreads slow phases
-of a shared machine over all methods instead of one. Both the step bench (``runner.py``) and the actor
-bench (``actor.py``) drive their workers this way.
+of a shared machine over all methods instead of one. Both the step bench
+(``runner.py``) and the actor bench (``actor.py``) drive their workers this way.
 """
 
 from __future__ import annotations

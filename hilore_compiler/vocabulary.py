@@ -35,6 +35,12 @@ CODEC_META_KEY = "hilore_codec"
 #: Name of the bucket whose samples reach the update with zero weight.
 ZERO_BUCKET = "zero"
 
+#: Codecs a plan may use unless told otherwise, in the backend, ``hilore trace``,
+#: ``hilore plan`` and ``hilore demo`` alike, so that one budget gives one plan
+#: everywhere. Others are opt-in by name (``codecs`` / ``--codecs``): int4
+#: because its error must be calibrated unit by unit (docs/fidelity.md).
+DEFAULT_CODECS = ("bf16", "int8")
+
 
 def group_of(layer: int | None) -> str:
     """The backward segment of a layer's units and weights: ``layer <i>``, or

@@ -12,6 +12,7 @@ from typing import Any
 from ..planfile import Plan
 from .cache import default_cache_dir
 from ..validate import plan_problems, raise_problems
+from ..vocabulary import DEFAULT_CODECS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,7 +30,7 @@ class BackendOptions:
     #: Risk budget per bucket; None takes the solver's calibrated default.
     risk_budget: float | None = None
     #: Codecs the plan may use; empty means store/recompute only.
-    codecs: tuple[str, ...] = ("bf16", "int8")
+    codecs: tuple[str, ...] = DEFAULT_CODECS
     #: Codecs the trace profiles, a superset of ``codecs``; None: ``codecs``.
     #: Plans that allow fewer codecs then share one trace (and its measured
     #: costs) with plans that allow them all.

@@ -19,6 +19,7 @@ from hilore_compiler.grpo import (
     grpo_loss,
     token_logprobs,
 )
+from hilore_compiler.grpo.packing import bucket_histograms, drop_then_pack
 from hilore_compiler.grpo.update import microbatches
 
 VOCAB, HIDDEN = 13, 16
@@ -211,6 +212,28 @@ def test_microbatches_never_mix_buckets():
     runs = microbatches(names, 2, ("zero", "b0", "b1"), frozenset({"zero"}))
     assert runs == [("b0", [2, 5]), ("b1", [0, 3]), ("b1", [4, 7])]
     assert len(microbatches(names, 2, ("zero", "b0", "b1"))) == 4
+
+
+def test_drop_then_pack_fewest_microbatches_then_one_bucket_each():
+    order = ("zero", "b0", "b1")
+    names = ["b0", "zero", "b1", "b0", "b1", "zero", "b1", "b0"]
+    x = [0.2, 0.0, 3.0, 0.1, 2.0, 0.0, 1.0, 0.3]
+    costs = [10, 50, 20, 10, 20, 50, 20, 10]  # tokens
+    # 90 tokens survive the drop; a budget of 60 needs 2 micro-batches, and 2 can be pure: 30 | 60.
+    p = drop_then_pack(names, x, order, budget=60, costs=costs)
+    assert p.dropped == (1, 5) and p.microbatches == ((3, 0, 7), (6, 4, 2)) and p.buckets == ("b0", "b1")
+    assert bucket_histograms(names, p.microbatches) == [{"b0": 3}, {"b1": 3}]
+    # A budget of 50 still needs 2, and no cut into 2 is pure: one micro-batch mixes, least exposed first.
+    tight = drop_then_pack(names, x, order, budget=50, costs=costs)
+    assert tight.microbatches == ((3, 0, 7, 6), (4, 2))
+    assert bucket_histograms(names, tight.microbatches) == [{"b0": 3, "b1": 1}, {"b1": 2}]
+    # Never mixed: one more micro-batch instead.
+    assert len(drop_then_pack(names, x, order, budget=50, costs=costs, mix=False).microbatches) == 3
+    # Ranks that run more: split where the buckets meet first, then the longest.
+    split = drop_then_pack(names, x, order, budget=50, costs=costs, at_least=4)
+    assert split.microbatches == ((3,), (0, 7), (6,), (4, 2))
+    kept = drop_then_pack(names, x, order, budget=4, drop=False)
+    assert kept.dropped == () and kept.microbatches[0] == (1, 5, 3, 0)  # zero first, then least exposed
 
 
 def test_rollout_batch_checks_shapes():

@@ -7,7 +7,9 @@ Pipeline of ``actor_update``:
    never understates it off-policy (``UpdateConfig.on_policy``);
 3. buckets (given, e.g. from a plan, or from this batch's quantiles), one
    name per sample;
-4. samples ordered into microbatches that never mix buckets; each forward runs
+4. samples ordered into microbatches that never mix buckets, least exposed
+   first (``packing.drop_then_pack``, the rule verl's and TRL's integrations
+   use too); each forward runs
    under ``runtime.exposure(bucket)`` so a model compiled with the hilore
    backend uses that bucket's plan;
 5. each microbatch's loss uses the whole batch's normaliser, so the
@@ -46,6 +48,7 @@ from .buckets import ZERO, ExposureBuckets, exposure_buckets
 from .coefficients import exposure_before_backward, exposure_bound_before_forward
 from .config import GRPOConfig
 from .loss import grpo_loss
+from .packing import drop_then_pack
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,20 +147,24 @@ class UpdateReport:
 
 
 def microbatches(
-    names: Sequence[str], size: int, order: Sequence[str], skip: frozenset[str] = frozenset()
+    names: Sequence[str],
+    size: int,
+    order: Sequence[str],
+    skip: frozenset[str] = frozenset(),
+    exposures: Sequence[float] | None = None,
 ) -> list[tuple[str, list[int]]]:
-    """Sample indices grouped by bucket name, cut into runs of at most ``size``.
+    """Sample indices of the buckets in ``order`` but not in ``skip``, cut into runs of at most ``size``.
 
-    Buckets come in ``order`` (``ExposureBuckets.names``), samples in batch
-    order; buckets in ``skip`` are left out. No run mixes two buckets.
+    ``packing.drop_then_pack`` with this update's convention: a budget of
+    ``size`` samples and no run mixing two buckets (each bucket's runs are
+    planned for it). Buckets come in ``order``, samples least exposed first
+    (``exposures``; None: batch order).
     """
-    out: list[tuple[str, list[int]]] = []
-    for name in order:
-        if name in skip:
-            continue
-        members = [i for i, n in enumerate(names) if n == name]
-        out += [(name, members[k : k + size]) for k in range(0, len(members), size)]
-    return out
+    wanted = [n for n in order if n not in skip or n == ZERO]  # the zero bucket is dropped by the packer
+    idx = [i for i, n in enumerate(names) if n in wanted]
+    x = [0.0] * len(idx) if exposures is None else [float(exposures[i]) for i in idx]
+    packed = drop_then_pack([names[i] for i in idx], x, wanted, budget=size, drop=ZERO in skip, mix=False)
+    return [(b, [idx[j] for j in mb]) for b, mb in zip(packed.buckets, packed.microbatches)]
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -232,10 +239,11 @@ def plan_update(
     # Exact only without a KL term: with beta > 0 a zero-advantage sample still
     # has c_t = beta * (1 - exp(ref - logp)), unknown before its forward.
     skip = frozenset({ZERO}) if update.skip_zero and config.beta == 0.0 else frozenset()
-    runs = microbatches(names, update.microbatch_size, buckets.names, skip)
+    x = estimate.detach().cpu().double().tolist()
+    runs = microbatches(names, update.microbatch_size, buckets.names, skip, x)
     skipped = sum(names.count(n) for n in skip)
     if ranks > 1:
-        zero_runs = microbatches(names, update.microbatch_size, sorted(skip))
+        zero_runs = microbatches(names, update.microbatch_size, sorted(skip), exposures=x)
         runs, skipped = _ranks_module().agree_slots(runs, zero_runs, mask.device)
     return UpdatePlan(
         advantages=adv, num_sequences=n_seq, num_tokens=n_tok, estimate=estimate,

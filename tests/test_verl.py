@@ -1,14 +1,15 @@
 """verl's FSDP2 engine with and without hilore, two gloo processes on CPU (tiny random Qwen2).
 
 One spawn of two ranks trains verl's own ``FSDPEngineWithLMHead`` and then
-``HiLoReFSDPEngine`` (``codecs: []``, exact plans) for three optimizer steps
-each on the same batches (the last with verl's dynamic batch size), and
+``HiLoReFSDPEngine`` (``codecs: []``, exact plans; with the drop of
+zero-exposure samples, and with only the whole-micro-batch skip) for three
+optimizer steps each on the same batches (the last with verl's dynamic batch size), and
 returns what it measured, so the slow compile is shared by every test here. Each step computes the old log-probs with a
 ``forward_only`` pass first, as verl's ``compute_log_prob`` does.
 
 The batches are built so the ranks disagree: rank 0 has one mixed group and
 two groups with equal rewards (zero advantages), rank 1 one zero group and
-two mixed ones. Ordered least exposed first, slot 0 is zero on both ranks
+two mixed ones: half the groups are zero. With verl's micro-batches ordered least exposed first, slot 0 is zero on both ranks
 (skipped by both), slot 1 is zero on rank 0 only (it runs there, since rank 1
 works in that slot), slot 2 is real work on both.
 """
@@ -25,6 +26,8 @@ import torch
 
 pytest.importorskip("verl")
 
+from hilore_compiler.bench import verl_engines  # noqa: E402
+from hilore_compiler.bench.verl_engines import cpu_platform, full_parameters, save_tiny_qwen2  # noqa: E402
 from hilore_compiler.distributed import spawn  # noqa: E402
 from hilore_compiler.integrations.slots import microbatch_bucket, schedule_slots  # noqa: E402
 
@@ -44,78 +47,12 @@ DYNAMIC_FROM = 2
 LR = 0.5
 
 
-def cpu_platform():
-    """verl's platform for a CPU process group: device "cpu", backend "gloo"."""
-    from verl.plugin.platform import PlatformBase
-
-    class CPUPlatform(PlatformBase):
-        device_name, vendor_name, device_module = "cpu", "cpu", torch.cpu
-
-        def is_available(self): return True
-        def current_device(self): return "cpu"  # verl moves batches with .to(current_device())
-        def device_count(self): return 1
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): torch.manual_seed(seed)
-        def manual_seed_all(self, seed): torch.manual_seed(seed)
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-        def get_device_capability(self, device_index=0): return (None, None)
-        def cudart(self): return None
-        def is_ipc_supported(self): return False
-        def nvtx_range(self, msg): return contextlib.nullcontext()
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_noset_envvars(self): return []
-        def ray_resource_name(self): return "CPU"
-
-    return CPUPlatform()
-
-
-def save_tiny_qwen2(path: str) -> None:
-    """A 2-layer, hidden-64 Qwen2 with random weights, saved where verl loads it from."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-
-
 def build_engine(path: str, hilore: dict | None, initialize: bool = True, skip_zero: bool = True,
-                 registered: bool = False, **model_fields):
-    """verl's engine (``hilore=None``) or the hilore one, built directly as verl's worker builds it.
-
-    ``registered``: the class the registry now holds (``HiLoReFSDPEngine``) even without hilore,
-    as the reference model gets it.
-    """
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    from hilore_compiler.integrations.verl import HiLoReFSDPEngine, HiLoReFSDPEngineConfig
-
-    fields = {"enable_gradient_checkpointing": False, **model_fields}
-    model = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
-                          **fields)
-    common = dict(strategy="fsdp2", use_torch_compile=False, use_dynamic_bsz=False,
-                  micro_batch_size_per_gpu=GROUP,
-                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
-    if hilore is None:
-        cls = HiLoReFSDPEngine if registered else FSDPEngineWithLMHead
-        engine_config = FSDPEngineConfig(**common)
-    else:
-        engine_config = HiLoReFSDPEngineConfig(**common, hilore=hilore, hilore_skip_zero=skip_zero)
-        cls = HiLoReFSDPEngine
-    optim = FSDPOptimizerConfig(optimizer="SGD", lr=LR, weight_decay=0.0, clip_grad=1e9)
-    engine = cls(model_config=model, engine_config=engine_config, optimizer_config=optim,
-                 checkpoint_config=CheckpointConfig())
-    if initialize:
-        engine.initialize()
-    return engine
+                 drop_zero: bool = True, registered: bool = False, **model_fields):
+    """verl's engine (``hilore=None``) or the hilore one, SGD, micro-batches of one group."""
+    fields = None if hilore is None else {"hilore_skip_zero": skip_zero, "hilore_drop_zero": drop_zero}
+    return verl_engines.build_engine(path, hilore, micro_batch_size=GROUP, lr=LR, initialize=initialize,
+                                     registered=registered, engine_fields=fields, **model_fields)
 
 
 def rank_batch(rank: int, step: int):
@@ -144,11 +81,6 @@ def rank_batch(rank: int, step: int):
     return left_right_2_no_padding(td)
 
 
-def full_parameters(engine) -> dict:
-    """Unsharded parameters as numpy arrays: pickled by value, so they outlive this process."""
-    return {n: p.full_tensor().detach().numpy().copy() for n, p in engine.module.named_parameters()}
-
-
 def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None = DYNAMIC_FROM) -> dict:
     """``steps`` updates (old log-probs forward_only, then train_batch); parameters and what was seen.
 
@@ -162,7 +94,8 @@ def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None =
     actor = ActorConfig(strategy="fsdp2", ppo_mini_batch_size=2 * B_RANK, ppo_micro_batch_size_per_gpu=GROUP,
                         use_dynamic_bsz=False, rollout_n=GROUP)
     loss = functools.partial(ppo_loss, config=actor)
-    out = {"times": [], "graphs": [], "frames": []}
+    out = {"times": [], "graphs": [], "frames": [], "forwards": [], "metrics": []}
+    _count_training_forwards(engine, out["forwards"])
     backends = list({id(b): b for b in getattr(engine, "hilore_backends", [])}.values())  # blocks share some
     for step in range(steps):
         data = rank_batch(rank, step)
@@ -174,8 +107,11 @@ def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None =
         data["old_log_probs"] = no_padding_2_padding(logp, data)  # on-policy: ratio 1
         start = time.perf_counter()
         with engine.train_mode():
-            engine.train_batch(data, loss_function=loss)
+            metrics = engine.train_batch(data, loss_function=loss)["metrics"]
         out["times"].append(time.perf_counter() - start)
+        out["metrics"].append({k: (m.aggregation.value, list(m.values)) for k, m in metrics.items()
+                               if k.startswith("actor/")})
+        out["forwards"].append(None)  # a step's end: the passes before it are this step's
         out["graphs"].append(sum(len(b.graphs) for b in backends))
         out["frames"].append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     out["params"] = full_parameters(engine)
@@ -184,6 +120,32 @@ def run_engine(engine, rank: int, steps: int = STEPS, dynamic_from: int | None =
     out["dynamic"] = [g.planner is not None and g.planner.dynamic for b in backends for g in b.graphs]
     out["packed_lengths"] = sorted({n for b in backends for g in b.graphs if g.planner for n in g.planner.seq_range})
     return out
+
+
+def _count_training_forwards(engine, seen: list) -> None:
+    """Record (samples, zero-advantage samples) of every training forward the engine runs."""
+    original = engine.forward_step
+
+    def forward_step(micro_batch, loss_function, forward_only):
+        if not forward_only:
+            adv = micro_batch["advantages"]
+            per_sample = [a.abs().sum().item() for a in (adv.unbind() if adv.is_nested else adv)]
+            seen.append((len(per_sample), sum(x == 0.0 for x in per_sample)))
+        return original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    engine.forward_step = forward_step
+
+
+def _per_step(forwards: list) -> list[tuple[int, int]]:
+    """(samples, zero samples) forwarded in each step."""
+    steps, samples, zero = [], 0, 0
+    for item in forwards:
+        if item is None:
+            steps.append((samples, zero))
+            samples, zero = 0, 0
+        else:
+            samples, zero = samples + item[0], zero + item[1]
+    return steps
 
 
 def refusals(path: str, hilore: dict) -> dict:
@@ -205,8 +167,10 @@ def refusals(path: str, hilore: dict) -> dict:
 HILORE = {"codecs": [], "buckets": 1, "verbose": False}
 
 
-def rank_main(rank: int, world: int, path: str, steps: int = STEPS, timing: bool = False) -> dict:
-    """verl's engine, then hilore's, ``steps`` updates each; ``timing``: also hilore without the skip."""
+def rank_main(rank: int, world: int, path: str, steps: int = STEPS) -> dict:
+    """verl's engine, then hilore's (with the drop; with the whole-micro-batch skip), ``steps`` updates each.
+
+    Timings of these engines: ``hilore bench --verl-zero`` (``bench/verl_zero.py``)."""
     from verl.plugin.platform import set_platform
 
     set_platform(cpu_platform())
@@ -214,14 +178,12 @@ def rank_main(rank: int, world: int, path: str, steps: int = STEPS, timing: bool
 
     torch.manual_seed(0)
     start = full_parameters(build_engine(path, None))
-    dynamic_from = None if timing else DYNAMIC_FROM
+    dynamic_from = DYNAMIC_FROM
     ref = run_engine(build_engine(path, None), rank, steps, dynamic_from)
     sub = run_engine(build_engine(path, HILORE), rank, steps, dynamic_from)
-    if timing:
-        no_skip = run_engine(build_engine(path, HILORE, skip_zero=False), rank, steps, None)
-        return {"ref": ref, "sub": sub, "no_skip": no_skip}
     plain = run_engine(build_engine(path, None, registered=True), rank, steps, dynamic_from)
-    return {"start": start, "ref": ref, "sub": sub, "plain": plain, **refusals(path, HILORE)}
+    skip = run_engine(build_engine(path, HILORE, drop_zero=False), rank, steps, dynamic_from)
+    return {"start": start, "ref": ref, "sub": sub, "plain": plain, "skip": skip, **refusals(path, HILORE)}
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +204,59 @@ def _flat(params: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_three_steps_match_verls_engine_with_exact_plans(ranks):
+def test_three_steps_with_the_drop_match_verls_engine_with_exact_plans(ranks):
+    """Half the groups have equal rewards (3 of the 6 over both ranks); hilore drops their samples."""
     for r in ranks:
         p0, ref, sub = _flat(r["start"]), _flat(r["ref"]["params"]), _flat(r["sub"]["params"])
         assert (ref - p0).norm() / p0.norm() > 1e-4, "verl's engine did not move the parameters"
         rel = ((sub - ref).norm() / ref.norm()).item()
         print(f"parameters, relative L2 after {STEPS} steps: {rel:.2e}")
-        assert rel < 1e-5
-        assert ((sub - ref).norm() / (ref - p0).norm()).item() < 1e-3  # the updates, not just the weights
+        assert rel < 1e-6
+        assert ((sub - ref).norm() / (ref - p0).norm()).item() < 1e-4  # the updates, not just the weights
+        skip = _flat(r["skip"]["params"])  # the whole-micro-batch skip is the same update too
+        assert ((skip - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.slow
+def test_the_drop_runs_no_zero_sample_forward(ranks):
+    for rank, r in enumerate(ranks):
+        zero = GROUP * len(ZERO_GROUPS[rank])
+        assert _per_step(r["ref"]["forwards"]) == [(B_RANK, zero)] * STEPS  # verl runs every sample
+        assert _per_step(r["sub"]["forwards"]) == [(B_RANK - zero, 0)] * STEPS
+        assert all(h["dropped_samples"] == zero and h["padding_microbatches"] == 0 for h in r["sub"]["history"])
+        for h in r["sub"]["history"]:  # one bucket (codecs: [] plans one): every micro-batch is pure
+            assert all(set(mb) == {"b0"} for mb in h["microbatch_buckets"]), h
+
+
+@pytest.mark.slow
+def test_logged_loss_is_verls_and_per_token_means_cover_the_whole_batch(ranks):
+    for r in ranks:
+        for ref, sub in zip(r["ref"]["metrics"], r["sub"]["metrics"]):
+            assert set(ref) == set(sub)
+            agg, ref_loss = ref["actor/pg_loss"]
+            assert agg == "sum" and sum(sub["actor/pg_loss"][1]) == pytest.approx(sum(ref_loss), rel=1e-5, abs=1e-8)
+            # Per-token means: on-policy nothing clips (ratio 1), in both; ppo_kl is rounding-sized.
+            for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"):
+                assert sum(ref[key][1]) == sum(sub[key][1]) == 0.0
+            assert abs(sum(sub["actor/ppo_kl"][1])) < 1e-5
+
+
+def test_honest_metrics_average_to_the_whole_batch_token_mean():
+    from verl.utils.metric import AggregationType, Metric
+
+    from hilore_compiler.integrations.verl_packing import honest_metrics
+
+    # Two packed micro-batches of 3 and 1 response tokens, 6 dropped tokens: 10 in all.
+    frac = [1 / 3, 1.0]  # clipped tokens 1 of 3 and 1 of 1: 2 of the batch's 10
+    entries = [honest_metrics({"c": Metric(AggregationType.MEAN, f), "l": Metric(AggregationType.SUM, 0.5)},
+                              share=tokens * 2 / 10) for f, tokens in zip(frac, (3, 1))]
+    merged = Metric(AggregationType.MEAN)
+    for e in entries:
+        merged.extend(e["c"])
+    assert merged.aggregate() == pytest.approx(2 / 10)
+    assert sum(e["l"].values[0] for e in entries) == 1.0  # SUM metrics are left as they are
+    pad = honest_metrics({"l": Metric(AggregationType.SUM, 0.5)}, share=0.0)
+    assert pad["l"].values == [0.0]
 
 
 @pytest.mark.slow
@@ -275,7 +282,7 @@ def test_blocks_went_through_hilore_and_nothing_recompiles(ranks):
 
 @pytest.mark.slow
 def test_zero_microbatches_are_skipped_on_both_ranks_together(ranks):
-    r0, r1 = (r["sub"]["history"] for r in ranks)
+    r0, r1 = (r["skip"]["history"] for r in ranks)  # hilore_drop_zero=False: verl's micro-batches
     # Slot 0 is zero on both ranks: skipped by both. Slot 1 is zero on rank 0
     # only: it runs there, since rank 1 works in that slot. (With the dynamic
     # batch size verl balances lengths, which mixes groups: no fixed expectation.)
@@ -351,25 +358,3 @@ def test_exposure_is_zero_exactly_where_advantages_are():
                              {"dp_size": 2, "batch_num_tokens": 12, "global_batch_size": 6})
     # token-mean: |A| per token / (global tokens / dp) = |A| / 6
     assert x.tolist() == pytest.approx([0.0, 1.5 / 6, 2.0 / 6])
-
-
-if __name__ == "__main__":
-    # Step times of verl's engine alone and with hilore (median of the steps
-    # after the first, which compiles), each rank's bucket histogram:
-    #   PYTHONPATH=$PWD python tests/test_verl.py 8
-    import statistics
-    import sys
-    import tempfile
-
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    with tempfile.TemporaryDirectory() as tmp:
-        save_tiny_qwen2(tmp)
-        results = spawn(rank_main, 2, tmp, steps, True, backend="gloo", timeout_s=1800)
-    for rank, r in enumerate(results):
-        times = {k: statistics.median(r[k]["times"][1:]) for k in ("ref", "sub", "no_skip")}
-        print(f"rank {rank}: median step s: verl {times['ref']:.3f}, hilore {times['sub']:.3f} "
-              f"(x{times['ref'] / times['sub']:.2f}), hilore without the zero skip {times['no_skip']:.3f} "
-              f"(x{times['ref'] / times['no_skip']:.2f}); first hilore step {r['sub']['times'][0]:.1f} s; "
-              f"buckets per step {r['sub']['history']}")
-
-

@@ -93,3 +93,12 @@ def on_every_rank(flags: Sequence[bool], group: Any = None, device: torch.device
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return [bool(v) for v in t.tolist()]
+
+
+def most_on_any_rank(count: int, group: Any = None, device: torch.device | str = "cpu") -> int:
+    """The largest ``count`` over the ranks of ``group`` (all_reduce MAX): the micro-batches every rank runs."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

@@ -18,12 +18,21 @@ With ``hilore`` set, the engine:
    plans re-solved when a longer one arrives (``backend/variants.py``);
 2. turns HF gradient checkpointing off, with a warning, and refuses activation
    offload;
-3. in ``forward_backward_batch``, gives each micro-batch the exposure bucket of
-   its most exposed sample (advantages and response mask, on-policy), runs the
-   micro-batches least exposed first under ``exposure(bucket)``, and skips
-   zero-exposure micro-batches where that is exact (``ppo_loss`` with the
-   vanilla policy loss, no KL loss, no entropy term, model outputs not
-   returned), only in slots every data-parallel rank skips
+3. in ``forward_backward_batch``, where dropping is exact
+   (``verl_packing.drop_is_exact``: ``ppo_loss`` with the vanilla policy
+   loss, no KL loss, no entropy term, model outputs not returned, global
+   normalisers), sets verl's normalisers over the whole batch, then leaves the
+   zero-exposure samples out and packs the rest least exposed first under
+   verl's own budget (``grpo.packing.drop_then_pack``: tokens per micro-batch
+   with ``use_dynamic_bsz``, samples otherwise), so that a micro-batch holds
+   one exposure bucket wherever the counts allow; every rank runs as many
+   micro-batches as the busiest, and each runs under ``exposure(bucket)`` of
+   its most exposed sample. Logged metrics are weighted to the whole batch
+   (``verl_packing.honest_metrics``).
+   Elsewhere (or with ``hilore_drop_zero=False``) it keeps verl's
+   micro-batches, runs them least exposed first under the bucket of their
+   most exposed sample, and skips whole zero-exposure micro-batches where
+   ``skip_is_exact``, only in slots every data-parallel rank skips
    (``slots.schedule_slots``). ``forward_only`` passes run eagerly, as verl's.
 
 Ordering needs no random numbers, so a run and its verl control draw the same
@@ -32,7 +41,7 @@ random stream.
 
 from __future__ import annotations
 
-import functools
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,12 +53,15 @@ from verl.workers.config import FSDPEngineConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
-from verl.workers.utils.losses import ppo_loss
 
 from ..backend import BackendOptions, HiLoReBackend, exposure
 from ..distributed.blocks import compile_blocks
 from ..grpo import GRPOLossConfig, exposure_before_forward, exposure_buckets, plan_buckets
-from .slots import SlotSchedule, microbatch_bucket, schedule_slots
+from ..grpo.buckets import ExposureBuckets
+from ..grpo.packing import bucket_histograms, drop_then_pack
+from ..vocabulary import ZERO_BUCKET
+from .slots import microbatch_bucket, most_on_any_rank, schedule_slots
+from .verl_packing import drop_is_exact, honest_metrics, pack_budget, response_tokens, skip_is_exact
 
 #: ``torch.compile``'s ``dynamic`` for the blocks: None, as users compile. The
 #: first packed length compiles static; at the second dynamo makes the packed
@@ -60,8 +72,6 @@ DYNAMIC_SHAPES = None
 #: verl's ``loss_agg_mode`` -> the GRPO normalisation with the same token weights,
 #: for exposure units; other modes are bucketed as token-mean (zero stays exact).
 _AGG_TO_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
-#: Policy losses whose gradient is exactly 0 where every advantage is 0.
-_SKIP_EXACT_LOSS_MODES = ("vanilla",)
 
 
 @dataclass
@@ -78,6 +88,10 @@ class HiLoReFSDPEngineConfig(FSDPEngineConfig):
     hilore_exposure_order: bool = True
     #: Skip zero-exposure micro-batches where exact, on every rank together.
     hilore_skip_zero: bool = True
+    #: Where exact (``verl_packing.drop_is_exact``), leave zero-exposure samples
+    #: out before micro-batches are formed and pack the rest by exposure under
+    #: verl's budget (``grpo.packing``); False: verl's micro-batches, whole ones skipped.
+    hilore_drop_zero: bool = True
 
 
 class HiLoReFSDPEngine(FSDPEngineWithLMHead):
@@ -94,7 +108,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         options = getattr(engine_config, "hilore", None)
         self.hilore_options: dict[str, Any] | None = None if options is None else dict(options)
         self.hilore_backends: list[HiLoReBackend] = []
-        self.bucket_history: list[dict[str, int]] = []
+        self.bucket_history: list[dict[str, Any]] = []
         if self.hilore_options is not None:
             self._refuse_what_hilore_cannot_run()
             # Parsed once here, so a wrong option fails before the model is built.
@@ -143,6 +157,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             # blocks eagerly, as verl does, rather than compile a no-grad graph per shape.
             with torch.compiler.set_stance("force_eager"):
                 return super().forward_backward_batch(data, loss_function, forward_only)
+        if self.engine_config.hilore_skip_zero and self.engine_config.hilore_drop_zero \
+                and drop_is_exact(loss_function, data):
+            return self._packed_update(data, loss_function)
         return self._planned_update(data, loss_function)
 
     def _planned_update(self, data: Any, loss_function: Callable) -> Any:
@@ -160,22 +177,66 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             group=self.get_data_parallel_group(), device=get_device_id())
         outputs: list[dict[str, Any]] = [{"loss": 0.0, "metrics": {}} for _ in micro_batches]
         for k, i in enumerate(schedule.run):
-            last = k == len(schedule.run) - 1
-            with self._gradient_sync_context(is_last_micro_batch=last), exposure(buckets[i]), \
-                    torch.profiler.record_function(f"micro_batch{i}"):
-                loss, meta = self.forward_step(micro_batches[i], loss_function=loss_function, forward_only=False)
-                if self.scaler is not None:  # fp16 parameters: verl's loss scaling
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-                if not returns_outputs:
-                    meta.pop("model_output", None)
+            meta = self._run_micro_batch(micro_batches[i], loss_function, buckets[i], i,
+                                         last=k == len(schedule.run) - 1)
+            if not returns_outputs:
+                meta.pop("model_output", None)
             outputs[i] = meta
-        self._record(samples, names, schedule)
+        flat = [name for per_sample in samples for name in per_sample]
+        ends = list(itertools.accumulate((len(per_sample) for per_sample in samples), initial=0))
+        self._record(flat, names, [range(a, b) for a, b in zip(ends, ends[1:])], skipped=len(schedule.skipped))
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
-    def _micro_batches(self, data: Any) -> tuple[list[Any], Any]:
-        """verl's own preparation: global token count, dp size, then its micro-batches."""
+    def _packed_update(self, data: Any, loss_function: Callable) -> Any:
+        """Zero-exposure samples dropped, the rest packed least exposed first under verl's budget.
+
+        Every rank runs as many micro-batches as the busiest (FSDP's
+        collectives pair up): a rank splits its own to get there, and where it
+        has too few samples left it runs the shortest one with its loss times 0
+        (a padding run, first, so the last run is real work where there is any).
+        """
+        import verl.utils.tensordict_utils as tu
+
+        self._global_normalisers(data)
+        exposures = microbatch_exposures(data, data, _loss_agg_mode(loss_function))  # (B_rank,)
+        edges = self._edges(exposures)
+        names, x = edges.assign(exposures), exposures.tolist()
+        costs, budget = pack_budget(data)
+        own = drop_then_pack(names, x, edges.names, budget=budget, costs=costs)
+        n = most_on_any_rank(max(1, len(own.microbatches)), self.get_data_parallel_group(), get_device_id())
+        packing = drop_then_pack(names, x, edges.names, budget=budget, costs=costs, at_least=n)
+        tokens = response_tokens(data).double()  # (B_rank,)
+        shortest = int(torch.argmin(tokens if costs is None else torch.tensor(costs)))
+        pads = n - len(packing.microbatches)
+        slots = [((shortest,), ZERO_BUCKET, True)] * pads + [
+            (rows, bucket, False) for rows, bucket in zip(packing.microbatches, packing.buckets)]
+        outputs = []
+        for k, (rows, bucket, pad) in enumerate(slots):
+            micro_batch = tu.index_select_tensor_dict(data, list(rows))
+            meta = self._run_micro_batch(micro_batch, loss_function, bucket, k, last=k == n - 1, pad=pad)
+            meta.pop("model_output", None)  # not returned (drop_is_exact): do not keep it alive
+            share = 0.0 if pad else float(tokens[list(rows)].sum()) * n / max(float(tokens.sum()), 1.0)
+            meta["metrics"] = honest_metrics(meta.get("metrics", {}), share)
+            outputs.append(meta)
+        self._record(names, edges.names, packing.microbatches, skipped=0, dropped=len(packing.dropped), pads=pads)
+        return postprocess_batch_func(output_lst=outputs, indices=None, data=data)
+
+    def _run_micro_batch(self, micro_batch: Any, loss_function: Callable, bucket: str, k: int, *,
+                         last: bool, pad: bool = False) -> dict[str, Any]:
+        """verl's forward_step and backward of one micro-batch under ``exposure(bucket)``; its meta."""
+        with self._gradient_sync_context(is_last_micro_batch=last), exposure(bucket), \
+                torch.profiler.record_function(f"micro_batch{k}"):
+            loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
+            if pad:  # runs only so that the collectives pair up: adds exactly nothing
+                loss = loss * 0.0
+            if self.scaler is not None:  # fp16 parameters: verl's loss scaling
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        return meta
+
+    def _global_normalisers(self, data: Any) -> None:
+        """verl's own: the global response-token count and the dp size, on ``data`` (over the whole batch)."""
         import verl.utils.tensordict_utils as tu
 
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -183,42 +244,33 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.SUM, group=self.get_data_parallel_group())
         tu.assign_non_tensor(data, batch_num_tokens=tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _micro_batches(self, data: Any) -> tuple[list[Any], Any]:
+        """verl's own preparation: global token count, dp size, then its micro-batches."""
+        self._global_normalisers(data)
         return prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
+
+    def _edges(self, exposures: torch.Tensor) -> ExposureBuckets:
+        """The plan's buckets in the units of this rank's exposures (B_rank,); before a plan, their quantiles."""
+        plan = next((g.plan for b in self.hilore_backends for g in b.graphs if g.plan is not None), None)
+        if plan is not None:
+            return plan_buckets(plan, int(exposures.numel()))
+        return exposure_buckets(exposures, self._n_buckets)
 
     def _sample_buckets(self, micro_batches: list[Any], data: Any,
                         loss_agg_mode: str) -> tuple[list[list[str]], tuple[str, ...]]:
         """Per micro-batch, the bucket of each of its samples (in the plan's units); the bucket names."""
         exposures = [microbatch_exposures(mb, data, loss_agg_mode) for mb in micro_batches]
-        local = torch.cat(exposures)  # (B_rank,)
-        plan = next((g.plan for b in self.hilore_backends for g in b.graphs if g.plan is not None), None)
-        if plan is not None:
-            edges = plan_buckets(plan, int(local.numel()))
-        else:  # before the first compile: this batch's quantiles, with the plan's bucket names
-            edges = exposure_buckets(local, self._n_buckets)
+        edges = self._edges(torch.cat(exposures))
         return [edges.assign(x) for x in exposures], edges.names
 
-    def _record(self, samples: list[list[str]], names: tuple[str, ...], schedule: SlotSchedule) -> None:
-        """This update's samples per bucket and micro-batches skipped on this rank."""
-        counts = {name: 0 for name in names}
-        for per_sample in samples:
-            for name in per_sample:
-                counts[name] += 1
-        self.bucket_history.append({**counts, "skipped_microbatches": len(schedule.skipped)})
-
-
-def skip_is_exact(loss_function: Callable | None) -> bool:
-    """Whether a zero-advantage micro-batch has exactly zero loss and gradient under this loss.
-
-    Only verl's ``ppo_loss`` with the vanilla policy loss and neither a KL
-    loss nor an entropy term is known to be; anything else keeps every micro-batch.
-    """
-    if not (isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss):
-        return False
-    config = loss_function.keywords.get("config")
-    if config is None:
-        return False
-    mode = config.policy_loss.get("loss_mode", "vanilla")
-    return mode in _SKIP_EXACT_LOSS_MODES and not config.use_kl_loss and float(config.entropy_coeff) == 0.0
+    def _record(self, names: list[str], order: tuple[str, ...], microbatches: Any, *, skipped: int,
+                dropped: int = 0, pads: int = 0) -> None:
+        """This update's samples per bucket, micro-batches skipped, samples dropped, per-micro-batch buckets."""
+        counts = {name: names.count(name) for name in order}
+        self.bucket_history.append({**counts, "skipped_microbatches": skipped, "dropped_samples": dropped,
+                                    "padding_microbatches": pads,
+                                    "microbatch_buckets": bucket_histograms(names, microbatches)})
 
 
 def _loss_agg_mode(loss_function: Callable | None) -> str:

@@ -21,7 +21,8 @@ from transformers import TrainerCallback  # noqa: E402
 
 from hilore_compiler.backend import current_bucket  # noqa: E402
 from hilore_compiler.grpo import GRPOConfig, GRPOLossConfig  # noqa: E402
-from hilore_compiler.integrations.batching import order_by_bucket, pad_batch  # noqa: E402
+from hilore_compiler.grpo.packing import drop_then_pack  # noqa: E402
+from hilore_compiler.integrations.batching import dropped_slots, equal_slots, pad_batch  # noqa: E402
 from hilore_compiler.integrations.toy import (  # noqa: E402
     char_tokenizer,
     digit_dataset,
@@ -53,10 +54,21 @@ def _args(out: str, steps: int, **overrides) -> trl.GRPOConfig:
         return trl.GRPOConfig(**base)
 
 
-def _high_digit_reward(prompts, completions, **_):
-    """1 where the completion starts with a digit above 4: a random policy earns it about a
-    third of the time, so a batch holds both zero-variance groups and mixed ones."""
-    return [1.0 if c[:1].isdigit() and int(c[:1]) > 4 else 0.0 for c in completions]
+def _half_zero_reward(prompts, completions, **_):
+    """Half the groups of every generation batch earn 0 whatever they say (all-equal rewards:
+    zero advantages), the other half a reward that differs between any two distinct
+    completions (TRL lays a batch out group after group)."""
+    half = len(completions) // 2
+    return [0.0 if i < half else sum(map(ord, c)) % 101 / 101 for i, c in enumerate(completions)]
+
+
+def _counting(trainer, rows: list):
+    """Wrap the trainer's ``_compute_loss`` (one training forward per call): rows and zero-advantage rows."""
+    def loss(model, inputs, _loss=trainer._compute_loss):
+        rows.append((len(inputs["advantages"]), int((inputs["advantages"] == 0).sum())))
+        return _loss(model, inputs)
+
+    trainer._compute_loss = loss
 
 
 def _clone(batch: dict) -> dict:
@@ -84,10 +96,12 @@ def runs(tmp_path_factory):
     tok = char_tokenizer()
     start = tiny_qwen2(tok, layers=1, seed=0)  # one layer: the compile dominates this file's time
     data = digit_dataset(64, seed=0)
-    ref = trl.GRPOTrainer(model=copy.deepcopy(start), reward_funcs=_high_digit_reward,
+    ref = trl.GRPOTrainer(model=copy.deepcopy(start), reward_funcs=_half_zero_reward,
                           args=_args(str(tmp / "ref"), STEPS, gradient_checkpointing=False),
                           train_dataset=data, processing_class=tok)
     recorded, generate = [], ref._generate_and_score_completions
+    ref_rows, sub_rows = [], []
+    _counting(ref, ref_rows)
     ref._generate_and_score_completions = lambda b: recorded.append(_clone(out := generate(b))) or out
     ref_snap = _Snapshot([ref])
     ref.add_callback(ref_snap)
@@ -95,7 +109,7 @@ def runs(tmp_path_factory):
 
     with pytest.warns(UserWarning, match="turns gradient checkpointing off"):
         sub = HiLoReGRPOTrainer(
-            model=copy.deepcopy(start), reward_funcs=_high_digit_reward,
+            model=copy.deepcopy(start), reward_funcs=_half_zero_reward,
             args=_args(str(tmp / "sub"), STEPS),  # TRL's default gradient_checkpointing=True
             train_dataset=data, processing_class=tok,
             hilore_options={"codecs": [], "buckets": 1, "cache_dir": str(tmp / "cache"),
@@ -108,11 +122,13 @@ def runs(tmp_path_factory):
         return _loss(model, inputs)
 
     sub._compute_loss = loss_under_bucket
+    _counting(sub, sub_rows)
     snap = _Snapshot([sub])
     sub.add_callback(snap)
     torch._dynamo.reset()
     sub.train()
-    return dict(start=start, ref=ref, sub=sub, snap=snap, ref_snap=ref_snap, batch=recorded[0], seen=seen)
+    return dict(start=start, ref=ref, sub=sub, snap=snap, ref_snap=ref_snap, batch=recorded[0], seen=seen,
+                ref_rows=ref_rows, sub_rows=sub_rows)
 
 
 def test_training_forward_goes_through_hilore(runs):
@@ -156,32 +172,32 @@ def test_three_steps_from_one_seed_follow_trls_trajectory(runs):
     assert (p_ref - p0).norm() > 1e-3, "TRL's steps did not move the parameters: nothing compared"
     rel = ((p_sub - p_ref).norm() / p_ref.norm()).item()
     print(f"parameters after {STEPS} steps from one seed, relative L2: {rel:.2e}")
-    assert rel < 1e-5
+    assert rel < 1e-6  # half the groups zero: their samples dropped, the update TRL's
 
 
-def test_zero_exposure_samples_are_grouped_and_skipped(runs):
+def test_zero_samples_are_dropped_and_never_run(runs):
     sub, batch = runs["sub"], runs["batch"]
+    total = batch["advantages"].numel()
     zero = int((batch["advantages"] == 0).sum())
+    assert zero == total // 2, "the reward should zero exactly half the groups"
     assert sub.bucket_history[0]["zero"] == zero
-    size, chunks = sub.args.per_device_train_batch_size, sub.args.steps_per_generation
-    assert zero >= size, "the recorded batch has no all-zero microbatch: nothing to skip (reseed)"
-    nonzero = batch["advantages"].numel() - zero
-    assert nonzero > size, "all nonzero samples fit the last microbatch: a wrong skip would pass unseen"
-    # Zero-first order: every all-zero microbatch but the step's last is skipped.
-    expected = size * min(zero // size, chunks - 1)
-    logs = [h for h in sub.state.log_history if "hilore/skipped_samples" in h]
-    assert logs[0]["hilore/skipped_samples"] == expected
+    logs = [h["hilore/skipped_samples"] for h in sub.state.log_history if "hilore/skipped_samples" in h]
+    assert logs == [float(zero)] * STEPS
+    # Forward passes: TRL runs every sample; the subclass only the nonzero ones, never a zero one.
+    assert sum(r for r, _ in runs["ref_rows"]) == STEPS * total
+    assert sum(r for r, _ in runs["sub_rows"]) == STEPS * (total - zero)
+    assert sum(z for _, z in runs["sub_rows"]) == 0
+    assert sum(z for _, z in runs["ref_rows"]) == STEPS * zero
 
 
 def test_each_microbatch_runs_under_its_bucket_least_exposed_first(runs):
     sub, seen = runs["sub"], runs["seen"]
     names = sub.bucket_history[0].keys()  # ("zero", "b0", ...): the plan's buckets
     assert seen and all(active == given and given in names for active, given in seen), seen
-    ga = sub.args.gradient_accumulation_steps
-    logs = [h["hilore/skipped_samples"] for h in sub.state.log_history if "hilore/skipped_samples" in h]
-    runs_per_step = [ga - int(k) // sub.args.per_device_train_batch_size for k in logs]
-    assert sum(runs_per_step) == len(seen)
-    first = [b for _, b in seen[: runs_per_step[0]]]
+    size = sub.args.per_device_train_batch_size
+    per_step = -(-(runs["batch"]["advantages"].numel() // 2) // size)  # nonzero samples, packed by TRL's size
+    assert len(seen) == STEPS * per_step
+    first = [b for _, b in seen[:per_step]]
     order = list(names)
     assert first == sorted(first, key=order.index), f"step 1 ran {first}, not least exposed first"
 
@@ -203,16 +219,31 @@ def test_trainer_refuses_sapo_before_building_anything():
                           args=_args("/tmp/unused", 1, loss_type="sapo"))
 
 
-def test_order_puts_zero_first_and_flags_all_zero_microbatches():
+def test_equal_slots_put_zero_first_and_flag_all_zero_microbatches():
     names = ["b1", "zero", "b0", "zero", "b1", "zero", "zero", "b0"]
     x = torch.tensor([3.0, 0, 1, 0, 2, 0, 0, 0.5])
-    order = order_by_bucket(names, x, ("zero", "b0", "b1"), 4)
-    assert [names[i] for i in order.permutation.tolist()] == ["zero"] * 4 + ["b0", "b0", "b1", "b1"]
-    assert order.all_zero == (True, True, False, False)
-    assert order.buckets == ("zero", "zero", "b0", "b1")
-    assert order.permutation.tolist()[4:] == [7, 2, 4, 0]  # least exposed first inside a bucket
-    kept = order_by_bucket(names, x, ("zero", "b0", "b1"), 2, sort=False)
-    assert kept.permutation.tolist() == list(range(8)) and kept.buckets == ("b1", "b1")
+    slots = equal_slots(names, x, ("zero", "b0", "b1"), 4)
+    assert [names[i] for s in slots for i in s.rows] == ["zero"] * 4 + ["b0", "b0", "b1", "b1"]
+    assert [s.all_zero for s in slots] == [True, True, False, False]
+    assert [s.bucket for s in slots] == ["zero", "zero", "b0", "b1"]
+    assert [i for s in slots[2:] for i in s.rows] == [7, 2, 4, 0]  # least exposed first inside a bucket
+    kept = equal_slots(names, x, ("zero", "b0", "b1"), 2, sort=False)
+    assert [s.rows for s in kept] == [(0, 1, 2, 3), (4, 5, 6, 7)] and [s.bucket for s in kept] == ["b1", "b1"]
+
+
+def test_dropped_slots_skip_first_and_pad_with_dropped_samples():
+    names = ["b1", "zero", "b0", "zero", "b1", "zero", "zero", "b0"]
+    x = [3.0, 0, 1, 0, 2, 0, 0, 0.5]
+    packed = drop_then_pack(names, x, ("zero", "b0", "b1"), budget=4)
+    assert packed.microbatches == ((7, 2, 4, 0),) and packed.dropped == (1, 3, 5, 6)
+    slots = dropped_slots(packed, 4, 1)  # the busiest rank runs one microbatch
+    assert [s.all_zero for s in slots] == [True, True, True, False] and slots[-1].rows == (7, 2, 4, 0)
+    assert sum(s.left_out for s in slots) == 4 and all(s.rows == () for s in slots[:3])
+    padded = dropped_slots(packed, 4, 3)  # another rank runs three: two single dropped samples here
+    assert [s.rows for s in padded] == [(), (1,), (3,), (7, 2, 4, 0)]
+    assert sum(s.left_out for s in padded) == 2
+    pure = drop_then_pack(names, x, ("zero", "b0", "b1"), budget=4, at_least=2)
+    assert pure.microbatches == ((7, 2), (4, 0)) and pure.buckets == ("b0", "b1")
 
 
 def test_pad_batch_rounds_lengths_with_masked_padding():

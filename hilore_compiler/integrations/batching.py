@@ -7,9 +7,11 @@ import, so it is testable on its own.
 - ``pad_batch``: pad prompts on the left and completions on the right to a
   multiple of ``pad_to_multiple_of``, so that dynamo sees few shapes and the
   backend's plans are reused. Padding carries mask 0: it adds no loss term.
-- ``order_by_bucket``: a permutation that puts the samples of one bucket
-  next to each other, least exposed first, and the bucket and skip flag of
-  each microbatch once the permuted batch is cut into equal parts.
+- ``equal_slots`` / ``dropped_slots``: the ``steps_per_generation``
+  microbatches of one optimizer step, cut by ``grpo.packing.drop_then_pack``
+  (the rule ``actor_update`` and verl's engine use too) with TRL's budget of
+  ``per_device_train_batch_size`` samples: equal ones for losses normalised
+  per microbatch row, zero samples dropped for ``dapo``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..grpo.packing import Packing, drop_then_pack
+from ..vocabulary import ZERO_BUCKET
 
 #: Keys of per-completion-token tensors, (B, Tc): padded on the right.
 COMPLETION_KEYS = (
@@ -65,54 +70,75 @@ def pad_batch(batch: Mapping[str, Any], pad_token_id: int, multiple: int) -> dic
 
 
 @dataclass(frozen=True, slots=True)
-class MicrobatchOrder:
-    """How one generation batch is cut into exposure-ordered microbatches."""
+class Slot:
+    """One of the microbatches TRL runs per optimizer step (``steps_per_generation`` of them)."""
 
-    #: (B,) row order: permuted row i is original row ``permutation[i]``.
-    permutation: Tensor
-    #: Bucket each microbatch runs under: that of its most exposed sample.
-    buckets: tuple[str, ...]
-    #: Microbatches whose every sample has zero exposure.
-    all_zero: tuple[bool, ...]
+    #: Rows of the generation batch it holds, in run order.
+    rows: tuple[int, ...]
+    #: Bucket it runs under: that of its most exposed sample.
+    bucket: str
+    #: Every sample has zero exposure: forward and backward may be skipped.
+    all_zero: bool
+    #: Samples of the generation batch that no slot runs (dropped), counted on this slot.
+    left_out: int = 0
 
 
-def order_by_bucket(
-    names: Sequence[str],
-    exposures: Tensor,
-    bucket_order: Sequence[str],
-    n_microbatches: int,
-    *,
-    sort: bool = True,
-) -> MicrobatchOrder:
-    """Sort rows by (bucket, exposure), least exposed first, and cut into ``n_microbatches``.
+def equal_slots(names: Sequence[str], exposures: Tensor, bucket_order: Sequence[str], n: int, *,
+                sort: bool = True) -> list[Slot]:
+    """The batch cut into ``n`` equal microbatches, least exposed first (``sort``) or in its order.
 
-    Least exposed first puts the zero bucket at the start and the most exposed
-    samples in the last microbatch, which is the one that synchronises
-    gradients across ranks and is therefore never skipped. ``sort=False``
-    keeps the rows where they are (TRL's shuffled order) and only reports
-    each microbatch's bucket and whether it is all zero.
+    For losses normalised per microbatch row count (``grpo``, ``dr_grpo``,
+    ``bnpo``): nothing is dropped, an all-zero microbatch is skipped whole.
+    Sorted, this is ``drop_then_pack`` keeping the zero bucket with a budget
+    of B / n samples, whose fewest cut is ``n`` full microbatches.
     """
     b = len(names)
-    if b % n_microbatches:
-        raise ValueError(f"{b} samples do not split into {n_microbatches} equal microbatches")
-    rank = {name: i for i, name in enumerate(bucket_order)}
+    if b % n:
+        raise ValueError(f"{b} samples do not split into {n} equal microbatches")
+    size = b // n
     x = exposures.detach().to("cpu", torch.float64).tolist()
-    perm = sorted(range(b), key=lambda i: (rank[names[i]], x[i], i)) if sort else list(range(b))
-    size = b // n_microbatches
-    chunks = [perm[k : k + size] for k in range(0, b, size)]
-    buckets = tuple(max((names[i] for i in c), key=rank.__getitem__) for c in chunks)
-    all_zero = tuple(all(x[i] == 0.0 for i in c) for c in chunks)
-    return MicrobatchOrder(torch.tensor(perm, dtype=torch.long), buckets, all_zero)
+    if sort:
+        packed = drop_then_pack(names, x, bucket_order, budget=size, drop=False)
+        chunks, buckets = packed.microbatches, packed.buckets
+    else:
+        rank = {name: i for i, name in enumerate(bucket_order)}
+        chunks = tuple(tuple(range(k, k + size)) for k in range(0, b, size))
+        buckets = tuple(max((names[i] for i in c), key=rank.__getitem__) for c in chunks)
+    return [Slot(c, bk, all(x[i] == 0.0 for i in c)) for c, bk in zip(chunks, buckets)]
 
 
-def permute_rows(batch: Mapping[str, Any], permutation: Tensor) -> dict[str, Any]:
-    """Every per-sample value of ``batch`` in ``permutation`` order; scalars and None as they are."""
+def dropped_slots(packing: Packing, n: int, runs: int) -> list[Slot]:
+    """``n`` slots around a packing whose zero samples were dropped; ``runs`` slots run.
+
+    ``runs``: micro-batches the busiest rank runs (every rank runs as many,
+    so they skip the same slots). Skipped slots come first, then runs of one
+    dropped sample each where this rank has fewer micro-batches (they add
+    exactly 0), then the packing, least exposed first: the last slot, which
+    synchronises gradients, holds the most exposed samples.
+    """
+    if not 1 <= runs <= n or len(packing.microbatches) > runs:
+        raise ValueError(f"{len(packing.microbatches)} micro-batches do not fit {runs} runs of {n} slots")
+    pads = runs - len(packing.microbatches)
+    if pads > len(packing.dropped):
+        raise ValueError(f"{pads} padding runs need as many dropped samples, found {len(packing.dropped)}")
+    skipped = [Slot((), ZERO_BUCKET, True) for _ in range(n - runs)]
+    padding = [Slot((i,), ZERO_BUCKET, True) for i in packing.dropped[:pads]]
+    real = [Slot(rows, b, False) for rows, b in zip(packing.microbatches, packing.buckets)]
+    slots = skipped + padding + real
+    last = slots[-1]
+    slots[-1] = Slot(last.rows, last.bucket, last.all_zero, len(packing.dropped) - pads)
+    return slots
+
+
+def take_rows(batch: Mapping[str, Any], rows: Sequence[int]) -> dict[str, Any]:
+    """Every per-sample value of ``batch`` at ``rows``; scalars and None as they are."""
+    index = torch.tensor(list(rows), dtype=torch.long)
     out = {}
     for key, value in batch.items():
         if isinstance(value, Tensor) and value.dim() >= 1:
-            out[key] = value[permutation.to(value.device)]
+            out[key] = value[index.to(value.device)]
         elif isinstance(value, list):
-            out[key] = [value[i] for i in permutation.tolist()]
+            out[key] = [value[i] for i in rows]
         else:
             out[key] = value
     return out

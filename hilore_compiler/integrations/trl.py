@@ -12,8 +12,13 @@
 3. Each generation batch is padded to fixed shapes, its samples are grouped
    into microbatches by exposure bucket (where that keeps the update exact),
    each microbatch runs under ``hilore_compiler.exposure(bucket)``, and
-   microbatches whose samples all have zero exposure skip forward and
-   backward where that is exact, on every rank together.
+   zero-exposure samples skip forward and backward where that is exact: with
+   ``dapo`` they are dropped before the rest is packed
+   (``grpo.packing.drop_then_pack``, the rule of ``actor_update`` and verl's
+   engine); with ``grpo`` / ``dr_grpo`` (normalised per microbatch row)
+   whole all-zero microbatches are skipped. Ranks skip the same slots.
+   TRL's per-microbatch means (clip ratios, entropy) then average over the
+   microbatches that ran, dropped tokens left out; the loss is TRL's.
 4. Loss variants without closed-form token coefficients are refused
    (``GRPOLossConfig.from_trl``).
 
@@ -43,15 +48,22 @@ from ..grpo import (
     exposure_buckets,
     plan_buckets,
 )
-from .batching import order_by_bucket, pad_batch, permute_rows
+from ..grpo.packing import drop_then_pack
+from .batching import Slot, dropped_slots, equal_slots, pad_batch, take_rows
 
-#: Keys the trainer adds to each prepared microbatch (TRL ignores them).
+#: Keys the trainer adds to each prepared microbatch (TRL ignores them): its
+#: bucket, whether it may be skipped, and the samples it accounts for that do not run.
 BUCKET_KEY, SKIP_KEY, SIZE_KEY = "hilore_bucket", "hilore_skip", "hilore_samples"
 #: Batch keys of vision-language inputs, whose rows are not one per sample.
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "spatial_shapes")
 #: Loss types whose update does not depend on how samples are grouped into
 #: microbatches of equal size (``bnpo`` normalises by each microbatch's tokens).
 _ORDER_EXACT = ("grpo", "dapo", "dr_grpo")
+#: Loss types whose normaliser is the generation batch's (``dapo``: its tokens),
+#: so a microbatch may hold fewer rows: zero samples are dropped, not only
+#: skipped in whole all-zero microbatches (``grpo`` and ``dr_grpo`` divide by
+#: the microbatch's rows, so there every microbatch keeps TRL's size).
+_DROP_EXACT = ("dapo",)
 
 
 class _Prepared(dict):
@@ -172,16 +184,29 @@ class HiLoReGRPOTrainer(GRPOTrainer):
         exposures = self._exposures(batch)  # (B,)
         buckets = self._buckets(batch, exposures)
         names = buckets.assign(exposures)
-        order = order_by_bucket(names, exposures, buckets.names, n, sort=self.exposure_order)
-        batch = permute_rows(batch, order.permutation)
-        all_zero = self._on_every_rank(order.all_zero)
-        chunks = split_tensor_dict(batch, n)
-        size = len(names) // n
         self._record(Counter(names), buckets.names)
-        return [
-            _Prepared(chunk, **{BUCKET_KEY: b, SKIP_KEY: z and self.skip_zero, SIZE_KEY: size})
-            for chunk, b, z in zip(chunks, order.buckets, all_zero)
-        ]
+        if self.exposure_order and self.skip_zero and self.loss_type in _DROP_EXACT:
+            slots = self._dropped_slots(names, exposures, buckets.names, n)
+        else:
+            slots = equal_slots(names, exposures, buckets.names, n, sort=self.exposure_order)
+            skip = self._on_every_rank(tuple(s.all_zero for s in slots))
+            slots = [Slot(s.rows, s.bucket, k and self.skip_zero, len(s.rows) if k and self.skip_zero else 0)
+                     for s, k in zip(slots, skip)]
+        return [_Prepared(take_rows(batch, s.rows), **{BUCKET_KEY: s.bucket, SKIP_KEY: s.all_zero,
+                                                       SIZE_KEY: s.left_out}) for s in slots]
+
+    def _dropped_slots(self, names: list[str], exposures: torch.Tensor, order: tuple[str, ...],
+                       n: int) -> list[Slot]:
+        """Zero samples dropped, the rest packed least exposed first, ``per_device_train_batch_size`` at most.
+
+        Every rank runs as many microbatches as the busiest (they skip the same
+        slots), splitting its own or running single dropped samples to get there.
+        """
+        x = exposures.detach().to("cpu", torch.float64).tolist()
+        size = self.args.per_device_train_batch_size
+        own = drop_then_pack(names, x, order, budget=size)
+        runs = self._most_on_any_rank(max(1, len(own.microbatches)))
+        return dropped_slots(drop_then_pack(names, x, order, budget=size, at_least=runs), n, runs)
 
     def _exposures(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """(B,) on-policy exposure of each sample under TRL's normalisation of one optimizer step."""
@@ -226,6 +251,12 @@ class HiLoReGRPOTrainer(GRPOTrainer):
                 self.model, ids, mask, batch["completion_ids"].shape[1], compute_entropy=True
             )
 
+    def _most_on_any_rank(self, count: int) -> int:
+        """The largest ``count`` over the processes."""
+        if self.accelerator.num_processes == 1:
+            return count
+        return int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
+
     def _on_every_rank(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
         """Flags that hold on every process: a microbatch is skipped everywhere or nowhere."""
         if self.accelerator.num_processes == 1:
@@ -253,10 +284,11 @@ class HiLoReGRPOTrainer(GRPOTrainer):
         self._current_train_step_time += time.perf_counter() - start
         # The optimizer-step's last microbatch synchronises gradients across
         # ranks and makes sure every parameter has a .grad: never skip it.
-        if isinstance(prepared, _Prepared) and prepared[SKIP_KEY] and not self.accelerator.sync_gradients:
-            self._step += 1  # what GRPOTrainer.training_step counts, for _prepare_inputs
+        if isinstance(prepared, _Prepared):
             self._skipped_this_step += prepared[SIZE_KEY]
-            return torch.zeros((), device=self.accelerator.device)  # the loss of these samples is 0
+            if prepared[SKIP_KEY] and not self.accelerator.sync_gradients:
+                self._step += 1  # what GRPOTrainer.training_step counts, for _prepare_inputs
+                return torch.zeros((), device=self.accelerator.device)  # the loss of these samples is 0
         if self.accelerator.sync_gradients:
             self._metrics["train"]["hilore/skipped_samples"].append(float(self._skipped_this_step))
             self._skipped_this_step = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from hilore_compiler.planfile import load_plan
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 
+TRACES = Path(__file__).resolve().parents[1] / "traces"
 SMALL = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
                         batch=2, seq_len=16)
 
@@ -56,8 +58,12 @@ def test_show_plan_prints_every_section(files, capsys):
     for section in ("== plan: synthetic-llama-1L", "== buckets", "== per layer", "== per kind",
                     "== totals against GC and store-all"):
         assert section in out
-    assert "layer 0" in out and "outside" in out and "mlp.gate" in out
-    assert "b0 options" in out and "b1 options" in out and "skip" in out
+    assert "layer 0" in out and "outside" in out and "mlp.gate" in out and "skip" in out
+    headings = [line for line in out.splitlines() if line.startswith("== per layer, ")]
+    named = " ".join(headings)
+    assert "b0" in named and "b1" in named  # each bucket under the plan it runs, shared plans once
+    assert len(headings) == len({b.decisions for b in load_plan(plan_path).buckets if not b.skip})
+    assert max(map(len, out.splitlines())) <= 100
     plan = load_plan(plan_path)
     totals = out.split("== totals against GC and store-all")[1]
     assert f"{plan.bucket('b1').memory_bytes / plan.gc_bytes:.2f}x" in totals
@@ -66,7 +72,7 @@ def test_show_plan_prints_every_section(files, capsys):
 def test_show_trace_prints_units_and_pareto_curve(files, tmp_path, capsys):
     trace_path, _ = files
     png = tmp_path / "curve.png"
-    assert cli.main(["show", str(trace_path), "--points", "5", "--png", str(png)]) == 0
+    assert cli.main(["show", str(trace_path), "--units", "--points", "5", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "== trace: synthetic-llama-1L" in out and "== recovery units" in out
     assert "model.layers.0.mlp.gate_proj:mm:0" in out
@@ -75,6 +81,20 @@ def test_show_trace_prints_units_and_pareto_curve(files, tmp_path, capsys):
     top = curve[-1].split()  # the store-all budget: nothing compressed or recomputed, no time
     assert top[-3:-1] == ["0", "0"] and "1.00x" in top and "0 s" in curve[-1]
     assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_trace_by_default_sums_units_per_kind_in_100_columns_and_solves_nothing(capsys, monkeypatch):
+    from hilore_compiler.commands import show
+
+    def no_solver(*args, **kwargs):
+        raise AssertionError("show without --curve must not solve")
+
+    monkeypatch.setattr(show, "pareto_curve", no_solver)
+    assert cli.main(["show", str(TRACES / "small-cpu-T2048-int4.json")]) == 0
+    out = capsys.readouterr().out
+    assert "== recovery units per kind" in out and "mlp.gate_proj.linear" in out
+    assert "Pareto" not in out and ":mm:0" not in out  # no curve, no unit keys
+    assert max(map(len, out.splitlines())) <= 100
 
 
 def test_show_rejects_malformed_files(tmp_path, capsys):

@@ -482,7 +482,7 @@ def test_resimulation_rejects_what_the_solver_should_not_return():
     with pytest.raises(RuntimeError, match="over the budget"):
         verify(model, store_all, budget_bytes=trace_bytes(trace) - 1)
     everything = {u.key: COMPRESS_PREFIX + next(iter(u.codecs)) if u.codecs else STORE for u in model.units}
-    with pytest.raises(RuntimeError, match="over the risk budget"):
+    with pytest.raises(RuntimeError, match="over the error budget"):
         verify_risk(model, {"b": everything}, [BucketWeight(name="b", samples=1.0, error=1.0)], 1e-9)
     child = next(u for u in model.units if u.recompute_from and u.recomputable
                  and model.unit(u.recompute_from[0]).codecs)

@@ -1,4 +1,21 @@
-"""One module per ``hilore`` subcommand: ``add_parser(subparsers)`` sets ``run``."""
+"""One module per ``hilore`` subcommand: ``add_parser(subparsers)`` sets ``run``.
+
+``cli`` imports only the chosen subcommand's module, and ``plan`` and ``show``
+import no torch (tests/test_cli_startup.py checks both), so that they start in
+a fraction of a second.
+"""
+
+#: Every subcommand's one-line help, in pipeline order: ``hilore --help`` lists
+#: them without importing any command module (``cli.build_parser``).
+SUMMARIES = {
+    "demo": "trace, plan, compile and run one GRPO update on a built-in model",
+    "trace": "profile a built-in model into a trace JSON (recovery units and their costs)",
+    "calibrate": "measure gradient sensitivity per (unit kind or unit, codec) into a trace",
+    "plan": "trace JSON -> plan JSON (store / compress / recompute per bucket)",
+    "show": "a plan or trace as readable tables and a summary",
+    "bench": "benchmark the actor update: GC, PyTorch baselines and HiLoRe side by side",
+    "eval": "gradient fidelity per bucket and a paired GRPO training run (exact vs hilore)",
+}
 
 
 def comma_list(text: str) -> tuple[str, ...]:

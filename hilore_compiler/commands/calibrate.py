@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import SUMMARIES
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..models import DTYPES, model_names
 
     p = subparsers.add_parser(
-        "calibrate", help="measure gradient sensitivity per (unit kind or unit, codec) into a trace",
+        "calibrate", help=SUMMARIES["calibrate"],
         description="Compress one unit of each kind at a time and compare the gradient with the "
                     "exact one; the solver then bounds measured gradient error instead of a proxy.",
     )

@@ -14,10 +14,12 @@ import dataclasses
 import time
 from pathlib import Path
 
+from . import SUMMARIES
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "eval", help="gradient fidelity per bucket and a paired GRPO training run (exact vs hilore)",
+        "eval", help=SUMMARIES["eval"],
         description="Trace the tiny policy, plan it at the planned and a tight memory budget, "
                     "compare each compiled arm's gradient with the exact one per exposure bucket, "
                     "then train exact, hilore and an exposure-blind int8 control side by side "

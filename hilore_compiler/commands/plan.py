@@ -11,14 +11,16 @@ from ..jsonio import check_output_path, save_or_fallback
 from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
+from ..solver.risk import format_error
+from ..vocabulary import DEFAULT_CODECS
 from ..solver.lengths import solve_length_buckets
-from . import length_list
+from . import SUMMARIES, length_list
 from .show import exposure_range
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "plan", help="trace JSON -> plan JSON (store / compress / recompute per bucket)",
+        "plan", help=SUMMARIES["plan"],
         description="Solve one ILP over all exposure buckets (PuLP + CBC), sharing one error budget "
                     "for the whole update over a batch's exposure mix, and write a hilore.plan/v1 file. "
                     "Needs no model and no torch.",
@@ -27,15 +29,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help=f"activation memory budget (default {DEFAULT_BUDGET}): {ACCEPTED_FORMS}")
     p.add_argument("--risk", type=_risk_budget, default=DEFAULT_RISK_BUDGET,
-                   help="error budget of the whole update: its squared relative gradient error, or a "
-                        f"target such as cos>=0.9999 (default {DEFAULT_RISK_BUDGET})")
+                   help="error budget of the whole update's gradient: a relative L2 error such as "
+                        f"l2<=0.045, or a cosine to the exact one such as cos>=0.9999 (default {DEFAULT_RISK_BUDGET})")
     p.add_argument("--exposure-mix", default=None,
                    help="hilore.exposure-mix/v1 file: plan exposures of a typical batch, which weigh the "
                         "buckets' time and error (default: GRPO groups of 8, binary rewards, 50%% solve rate)")
     p.add_argument("--buckets", type=int, default=DEFAULT_NUM_BUCKETS,
                    help=f"number of exposure buckets besides 'zero' (default {DEFAULT_NUM_BUCKETS})")
-    p.add_argument("--codecs", default=None,
-                   help="comma-separated codecs the plan may use, e.g. bf16,int8 (default: all the trace measured)")
+    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                   help="comma-separated codecs the plan may use, of those the trace measured (default "
+                        f"{','.join(DEFAULT_CODECS)}, as the backend; int4 and fp8 are opt-in)")
     p.add_argument("--batch", type=int, default=None, help="plan for this batch (default: the traced one)")
     p.add_argument("--seq-len", type=seq_lens, default=None,
                    help="plan for this sequence length, or LO:HI for one plan that holds over that range of "
@@ -81,22 +84,29 @@ def _risk_budget(text: str) -> float | str:
 
 
 def summary_lines(plan: Plan) -> list[str]:
-    """One line per bucket: memory against GC and store-all, recovery time, risk, solver."""
-    lines = [f"{plan.model}: budget {plan.budget} = {format_bytes(plan.budget_bytes)} "
-             f"(GC {format_bytes(plan.gc_bytes)}, store-all {format_bytes(plan.store_bytes)})"]
+    """The plan in a few lines under 100 columns: the budget, then per bucket its exposure
+    range, memory against GC, recovery time and error; buckets sharing one plan say so."""
+    lines = [f"{plan.model}: budget {plan.budget} = {format_bytes(plan.budget_bytes)}; predicted peaks: "
+             f"GC {format_bytes(plan.gc_bytes)}, store-all {format_bytes(plan.store_bytes)}"]
+    solved = [b for b in plan.buckets if not b.skip]
     for b in plan.buckets:
         spec = b.bucket
         if b.skip:
-            lines.append(f"  {spec.name:>6}  exposure 0: skip backward")
+            lines.append(f"  {spec.name:>4}  exposure 0: no gradient, backward skipped")
             continue
-        gc = f"{b.memory_bytes / plan.gc_bytes:.2f}x GC" if plan.gc_bytes else ""
-        gap = "" if b.solver.gap is None else f", gap {b.solver.gap:.2%}"
-        lines.append(
-            f"  {spec.name:>6}  exposure {exposure_range(spec)} at {spec.exposure:g}: memory "
-            f"{format_bytes(b.memory_bytes)} ({gc}), recovery {format_seconds(b.time_s)}, risk "
-            f"{b.risk:.3g}/{plan.risk_budget:g}{' (proxy sensitivity)' if b.proxy_sensitivity else ''}, "
-            f"{b.solver.status} in {b.solver.seconds:.2f} s{gap}"
-        )
+        gc = f" ({b.memory_bytes / plan.gc_bytes:.2f}x GC)" if plan.gc_bytes else ""
+        lines.append(f"  {spec.name:>4}  exposure {exposure_range(spec)}: memory {format_bytes(b.memory_bytes)}"
+                     f"{gc}, recovery {format_seconds(b.time_s)}, {format_error(b.risk, cosine=False)}")
+    if len(solved) > 1 and len({b.decisions for b in solved}) == 1:
+        lines.append(f"  {', '.join(b.bucket.name for b in solved)} run the same plan (one compiled variant)")
+    total = sum(b.risk for b in solved)
+    lines.append(f"  whole update: {format_error(total)}; budget {format_error(plan.risk_budget)}")
+    if any(b.proxy_sensitivity for b in solved):
+        lines.append("  (errors from proxy sensitivities: `hilore calibrate` measures them)")
+    if solved:
+        stats = solved[0].solver
+        gap = "" if stats.gap is None else f", gap {stats.gap:.2%}"
+        lines.append(f"  solver: {stats.status} in {stats.seconds:.2f} s{gap}")
     return lines
 
 

@@ -1,10 +1,11 @@
-"""``hilore show PLAN_OR_TRACE [--png FILE]``: a plan or a trace as readable tables.
+"""``hilore show PLAN_OR_TRACE``: a plan or a trace as readable tables, 100 columns wide.
 
-A plan: its buckets, then per layer and per kind the options chosen in each
-bucket with bytes before (stored) and after (kept) and the recovery time, then
-totals against gradient checkpointing and store-all. A trace: its recovery
-units and the memory-time Pareto curve over a range of budgets (solved here),
-drawn to a PNG with ``--png`` when matplotlib is installed.
+A plan: its buckets, then for each distinct plan among them, per layer and per
+kind, the options chosen with bytes before (stored) and after (kept) and the
+recovery time, then totals against gradient checkpointing (GC) and store-all.
+A trace: its recovery units summed per kind (``--units``: one row per unit,
+wider), and with ``--curve`` or ``--png`` the memory-time Pareto curve over a
+range of budgets, solved here (seconds of CBC per budget, hence opt-in).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from ..planfile import (
     PLAN_SCHEMA,
     RECOMPUTE,
     STORE,
+    BucketPlan,
     BucketSpec,
     Plan,
     PlanUnit,
@@ -29,16 +32,26 @@ from ..planfile import (
 )
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
+from ..solver.memory import cost_model
 from ..solver.pareto import DEFAULT_POINTS
+from ..solver.risk import format_error
 from ..tracefile import TRACE_SCHEMA, Trace, eval_size, trace_from_json
+from ..vocabulary import DEFAULT_CODECS
+from . import SUMMARIES
+
+#: Width the default output keeps to; ``--units`` may exceed it.
+COLUMNS = 100
 
 #: Seconds per ILP on the Pareto curve: a display, so a quick answer will do.
 CURVE_TIME_LIMIT_S = 1.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("show", help="a plan or trace as readable tables and a summary")
+    p = subparsers.add_parser("show", help=SUMMARIES["show"])
     p.add_argument("path", help="hilore.plan/v1 or hilore.trace/v1 JSON file")
+    p.add_argument("--units", action="store_true", help="trace only: one row per recovery unit (wide)")
+    p.add_argument("--curve", action="store_true",
+                   help="trace only: solve and print the memory-time Pareto curve (seconds per budget)")
     p.add_argument("--png", default=None, help="trace only: also draw the Pareto curve to this PNG")
     p.add_argument("--points", type=int, default=DEFAULT_POINTS, help="budgets on a trace's Pareto curve")
     p.add_argument("--time-limit", type=float, default=CURVE_TIME_LIMIT_S,
@@ -86,26 +99,30 @@ def _mix(options: Iterable[str]) -> str:
     return " ".join(f"{k}{counts[k]}" for k in order)
 
 
-def _grouped(plan: Plan, group: Callable[[PlanUnit], str]) -> str:
-    """Per group of units: stored bytes, then per bucket the mix, kept bytes, time."""
-    solved = [b for b in plan.buckets if not b.skip]
+def _grouped(plan: Plan, buckets: Sequence[BucketPlan], group: Callable[[PlanUnit], str]) -> str:
+    """Per group of units: stored bytes, then the mix, kept bytes and time of one plan
+    that ``buckets`` share."""
     cost = {(u.key, o.option): o for u in plan.units for o in u.options}
+    chosen = dict(buckets[0].decisions)
     groups: dict[str, list[PlanUnit]] = {}
     for u in plan.units:
         groups.setdefault(group(u), []).append(u)
-    headers = ["", "units", "before"]
-    for b in solved:
-        headers += [f"{b.bucket.name} options", "after", "time"]
     rows = []
     for name, units in groups.items():
-        row: list[object] = [name, len(units), format_bytes(sum(u.bytes for u in units))]
-        for b in solved:
-            chosen = dict(b.decisions)
-            picked = [cost[u.key, chosen[u.key]] for u in units]
-            row += [_mix(chosen[u.key] for u in units), format_bytes(sum(o.bytes for o in picked)),
-                    format_seconds(sum(o.time_s for o in picked))]
-        rows.append(row)
-    return table(headers, rows)
+        picked = [cost[u.key, chosen[u.key]] for u in units]
+        rows.append([name, len(units), format_bytes(sum(u.bytes for u in units)), _mix(chosen[u.key] for u in units),
+                     format_bytes(sum(o.bytes for o in picked)), format_seconds(sum(o.time_s for o in picked))])
+    return table(["", "units", "before", "options", "after", "time"], rows)
+
+
+def distinct_plans(plan: Plan) -> list[list[BucketPlan]]:
+    """The solved buckets grouped by their decisions: buckets that share a plan run one
+    compiled variant, so they are shown once."""
+    groups: dict[tuple, list[BucketPlan]] = {}
+    for b in plan.buckets:
+        if not b.skip:
+            groups.setdefault(b.decisions, []).append(b)
+    return list(groups.values())
 
 
 def _ratio(n: int, ref: int) -> str:
@@ -117,6 +134,24 @@ def exposure_range(spec: BucketSpec) -> str:
     return f"({spec.lo:g}, inf)" if math.isinf(spec.hi) else f"({spec.lo:g}, {spec.hi:g}]"
 
 
+def _notes(notes: Iterable[str]) -> list[str]:
+    """Notes wrapped to COLUMNS, continuation lines indented."""
+    return [textwrap.fill(n, COLUMNS, initial_indent="note: ", subsequent_indent="      ") for n in notes]
+
+
+def _plan_sections(plan: Plan) -> list[str]:
+    """Per layer and per kind, once for each distinct plan among the buckets."""
+    lines = []
+    for shared in distinct_plans(plan):
+        names = ", ".join(b.bucket.name for b in shared)
+        which = f"bucket {names}" if len(shared) == 1 else f"buckets {names} (one plan)"
+        lines += ["", f"== per layer, {which}", "   before: bytes stored; after: bytes kept; time: recovery; "
+                  "S store, R recompute",
+                  _grouped(plan, shared, lambda u: "outside" if u.layer is None else f"layer {u.layer}"), "",
+                  f"== per kind, {which}", _grouped(plan, shared, lambda u: u.kind)]
+    return lines
+
+
 def render_plan(plan: Plan) -> str:
     """The plan as sections: header, buckets, per layer, per kind, totals."""
     head = [
@@ -124,15 +159,16 @@ def render_plan(plan: Plan) -> str:
         f"shape: batch {plan.batch}, seq_len {_lengths(plan)}; costs: {plan.cost_source}; "
         f"codecs: {', '.join(plan.codecs) or 'none'}",
         f"budget {plan.budget} = {format_bytes(plan.budget_bytes)}; GC {format_bytes(plan.gc_bytes)}; "
-        f"store-all {format_bytes(plan.store_bytes)}; risk budget {plan.risk_budget:g}",
-        *(f"note: {n}" for n in plan.notes),
+        f"store-all {format_bytes(plan.store_bytes)}",
+        f"error budget: {format_error(plan.risk_budget)} of the whole update's gradient",
+        *_notes(plan.notes),
     ]
     bucket_rows = []
     for b in plan.buckets:
         s, solver = b.bucket, b.solver
         bucket_rows.append([
             s.name, "{0}" if b.skip else exposure_range(s), f"{s.exposure:g}",
-            "skip" if b.skip else f"{b.risk:.3g}", "yes" if b.proxy_sensitivity else "no",
+            "skip" if b.skip else f"{math.sqrt(b.risk):.3g}", "yes" if b.proxy_sensitivity else "no",
             solver.status if solver else "-", f"{solver.seconds:.2f}" if solver else "-",
             "-" if solver is None or solver.gap is None else f"{solver.gap:.2%}",
         ])
@@ -144,12 +180,9 @@ def render_plan(plan: Plan) -> str:
              for b in plan.buckets if not b.skip and b.peak_at is not None]
     notes = sorted({n for b in plan.buckets for n in b.notes})
     return "\n".join([
-        *head, "", "== buckets",
-        table(["bucket", "exposure", "planned at", "risk", "proxy", "solver", "seconds", "gap"], bucket_rows),
-        *(f"note: {n}" for n in notes), "",
-        "== per layer (before: bytes stored; after: bytes kept; time: recovery; S store, R recompute)",
-        _grouped(plan, lambda u: "outside" if u.layer is None else f"layer {u.layer}"), "",
-        "== per kind", _grouped(plan, lambda u: u.kind), "",
+        *head, "", "== buckets (rel. L2: the bucket's share of the update's predicted gradient error)",
+        table(["bucket", "exposure", "planned at", "rel. L2", "proxy", "solver", "seconds", "gap"], bucket_rows),
+        *_notes(notes), *_plan_sections(plan), "",
         "== totals against GC and store-all",
         table(["bucket", "kept", "transient", "memory", "vs GC", "vs store-all", "recovery"], totals),
         *(["", "== where the peak falls (transient = rebuilt + workspace + weight gradients + outputs)",
@@ -174,9 +207,9 @@ def _length_table(plan: Plan) -> str:
     return table(["seq_len", "mix", "ceiling", *(f"{n} peak / recovery" for n in names), "peak vs GC"], rows)
 
 
-def render_trace(trace: Trace, curve: ParetoCurve) -> str:
-    """The trace as sections: header, units, memory-time Pareto curve."""
-    units = [[
+def _unit_rows(trace: Trace) -> list[list[object]]:
+    """One row per recovery unit: every measured number (wide)."""
+    return [[
         u.key, "-" if u.layer is None else u.layer, u.kind, u.op, format_bytes(u.bytes_at_trace),
         format_seconds(u.recompute_time_s) if u.recomputable else "no",
         " ".join(f"{n}:{format_bytes(eval_size(c.bytes, trace.batch, trace.seq_len))}/"
@@ -184,21 +217,63 @@ def render_trace(trace: Trace, curve: ParetoCurve) -> str:
                  for n, c in u.codecs.items()) or "-",
         " ".join(f"{n}:{v:.2e}" for n, v in u.sensitivity.items()) or "proxy",
     ] for u in trace.units]
-    points = [[format_bytes(p.budget_bytes), format_bytes(p.memory_bytes), _ratio(p.memory_bytes, curve.gc_bytes),
-               _ratio(p.memory_bytes, curve.store_bytes), format_seconds(p.time_s), p.stored, p.compressed,
-               p.recomputed, p.status] for p in curve.points]
-    return "\n".join([
+
+
+def _kind_rows(trace: Trace, codecs: Sequence[str]) -> list[list[object]]:
+    """Per unit kind: units, bytes at the traced shape, recompute time, and per codec the
+    largest relative L2 error it leaves in one unit's activation."""
+    kinds: dict[str, list] = {}
+    for u in trace.units:
+        kinds.setdefault(u.kind, []).append(u)
+    rows = []
+    for kind, units in kinds.items():
+        recompute = [u.recompute_time_s for u in units if u.recomputable]
+        errors = [max((u.codecs[c].rel_l2 for u in units if c in u.codecs and u.codecs[c].usable), default=None)
+                  for c in codecs]
+        rows.append([kind, len(units), format_bytes(sum(u.bytes_at_trace for u in units)),
+                     format_seconds(sum(recompute)) if recompute else "no",
+                     *("-" if e is None else f"{e:.0e}" for e in errors),
+                     "yes" if all(u.sensitivity for u in units) else "proxy"])
+    return rows
+
+
+def render_trace(trace: Trace, curve: ParetoCurve | None = None, *, units: bool = False) -> str:
+    """The trace as sections: header, units per kind (or one by one), the Pareto curve if solved."""
+    codecs = sorted({c for u in trace.units for c in u.codecs})
+    model = cost_model(trace, batch=trace.batch, seq_len=trace.seq_len, codecs=codecs)
+    lines = [
         f"== trace: {trace.model} (fingerprint {trace.fingerprint})",
         f"shape: batch {trace.batch}, seq_len {trace.seq_len}; device {trace.device}; costs: "
         f"{trace.cost_source}; {trace.num_layers} layers, {len(trace.units)} recovery units",
-        f"GC {format_bytes(curve.gc_bytes)}; store-all {format_bytes(curve.store_bytes)}",
-        *(f"note: {n}" for n in trace.notes), "",
-        "== recovery units (recompute time; codecs name:bytes/time/rel_l2)",
-        table(["key", "layer", "kind", "op", "bytes", "recompute", "codecs", "sensitivity"], units), "",
-        f"== memory-time Pareto curve (exposure {curve.exposure:g}, risk budget {curve.risk_budget:g})",
-        table(["budget", "memory", "vs GC", "vs store-all", "recovery", "store", "compress",
-               "recompute", "solver"], points),
-    ])
+        f"GC {format_bytes(model.gc_bytes)}; store-all {format_bytes(model.store_bytes)}; codecs measured: "
+        f"{', '.join(codecs) or 'none'}",
+        *_notes(trace.notes), "",
+    ]
+    if units:
+        lines += ["== recovery units (recompute time; codecs name:bytes/time/rel_l2)",
+                  table(["key", "layer", "kind", "op", "bytes", "recompute", "codecs", "sensitivity"],
+                        _unit_rows(trace))]
+    else:
+        lines += ["== recovery units per kind (recompute: summed time; codec: largest rel. L2 error of "
+                  "one", "   unit's activation; calib.: gradient sensitivity measured; --units: "
+                  "one row per unit)",
+                  table(["kind", "units", "bytes", "recompute", *codecs, "calib."],
+                        _kind_rows(trace, codecs))]
+    if curve is not None:
+        points = [[format_bytes(p.budget_bytes), format_bytes(p.memory_bytes), _ratio(p.memory_bytes, curve.gc_bytes),
+                   _ratio(p.memory_bytes, curve.store_bytes), format_seconds(p.time_s), p.stored, p.compressed,
+                   p.recomputed, p.status] for p in curve.points]
+        lines += ["", f"== memory-time Pareto curve (codecs {', '.join(curve_codecs(trace))}; error "
+                  f"budget {format_error(curve.risk_budget)})",
+                  table(["budget", "memory", "vs GC", "vs store-all", "recovery", "store", "compress",
+                         "recompute", "solver"], points)]
+    return "\n".join(lines)
+
+
+def curve_codecs(trace: Trace) -> tuple[str, ...]:
+    """The codecs the Pareto curve may use: the defaults, of those the trace measured."""
+    measured = {c for u in trace.units for c in u.codecs}
+    return tuple(c for c in DEFAULT_CODECS if c in measured)
 
 
 def draw_curve(curve: ParetoCurve, trace: Trace, path: str) -> None:
@@ -230,12 +305,15 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.png, inputs=[args.path])
     loaded = load_any(args.path)
     if isinstance(loaded, Plan):
-        if args.png:
-            raise ValueError("--png draws a trace's Pareto curve; this file is a plan")
+        if args.png or args.curve or args.units:
+            raise ValueError("--png, --curve and --units are for a trace; this file is a plan")
         print(render_plan(loaded))
         return 0
-    curve = pareto_curve(loaded, points=args.points, options=SolverOptions(time_limit_s=args.time_limit))
-    print(render_trace(loaded, curve))
+    curve = None
+    if args.curve or args.png:
+        curve = pareto_curve(loaded, points=args.points, codecs=curve_codecs(loaded),
+                             options=SolverOptions(time_limit_s=args.time_limit))
+    print(render_trace(loaded, curve, units=args.units))
     if args.png:
         draw_curve(curve, loaded, args.png)
         print(f"wrote {args.png}")

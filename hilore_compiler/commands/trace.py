@@ -10,13 +10,15 @@ import torch
 
 from ..jsonio import check_output_path, save_or_fallback
 from ..passes.costmodel import DEVICES
+from ..vocabulary import DEFAULT_CODECS
+from . import SUMMARIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..models import DTYPES, model_names
 
     p = subparsers.add_parser(
-        "trace", help="profile a built-in model into a trace JSON (recovery units and their costs)",
+        "trace", help=SUMMARIES["trace"],
         description="Capture the joint forward+backward graph torch.compile builds for one GRPO "
                     "actor update, group the saved activations into recovery units and measure "
                     "what each costs to store, compress or recompute.",
@@ -31,7 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    + "; roofline traces build the model on the meta device (no weights in memory)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="parameter dtype of the policy (default: float32 measured, bfloat16 for roofline)")
-    p.add_argument("--codecs", default="bf16,int8,fp8", help="codecs to measure (default bf16,int8,fp8)")
+    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                   help=f"codecs to measure (default {','.join(DEFAULT_CODECS)}, the backend's; a trace "
+                        "may measure more, such as fp8 or int4, for plans that opt in)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True, help="where to write the trace JSON")

@@ -35,6 +35,7 @@ from .risk import (
     cosine_to_error2,
     default_buckets,
     error2_to_cosine,
+    format_error,
     parse_risk_budget,
 )
 
@@ -43,7 +44,7 @@ __all__ = [
     "DEFAULT_RISK_BUDGET", "DEFAULT_TARGET_COSINE", "InfeasibleBudgetError", "PROXY_FACTOR", "infeasible_cause",
     "ParetoCurve", "ParetoPoint", "Prediction", "SolverOptions", "SolverUnavailableError",
     "bucket_shares", "cosine_to_error2", "cost_model", "default_buckets", "default_exposure_mix",
-    "error2_to_cosine", "fixed_plan", "format_bytes", "load_exposure_mix", "pareto_curve",
+    "error2_to_cosine", "fixed_plan", "format_bytes", "format_error", "load_exposure_mix", "pareto_curve",
     "parse_budget", "parse_risk_budget", "predicted_error", "save_exposure_mix", "simulate", "solve",
     "uniform_codec",
 ]

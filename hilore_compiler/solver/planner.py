@@ -32,7 +32,7 @@ from .risk import (
     PROXY_LAYERS,
     BucketShare,
     bucket_specs,
-    error2_to_cosine,
+    format_error,
     parse_risk_budget,
     plan_risk,
     zero_bucket,
@@ -122,8 +122,8 @@ def verify_risk(model: CostModel, plans: Mapping[str, Mapping[str, str]],
     """Each bucket's re-computed risk; raise if their sum is over the shared budget."""
     risks = {w.name: plan_risk(model, plans[w.name], w.error) for w in weights}
     if sum(risks.values()) > risk_budget * (1 + TOLERANCE) + 1e-15:
-        raise RuntimeError(f"solver plans have risk {sum(risks.values()):.4g}, over the risk budget "
-                           f"{risk_budget:.4g}")
+        raise RuntimeError(f"solver plans have error {format_error(sum(risks.values()))}, over the "
+                           f"error budget {format_error(risk_budget)}")
     return risks
 
 
@@ -153,7 +153,7 @@ def _infeasible(model: CostModel, *, budget_text: str, budget_bytes: int, risk_b
     ratio = f", {math.ceil(need / gc_bytes * 1000) / 1000:.3f}x-gc" if gc_bytes > 0 else ""
     return InfeasibleBudgetError(
         f"memory budget {budget_text} ({format_bytes(budget_bytes)}) is infeasible for bucket "
-        f"{bucket} (error budget {risk_budget:.3g}) at batch {model.batch}, seq_len "
+        f"{bucket} (error budget {format_error(risk_budget)}) at batch {model.batch}, seq_len "
         f"{model.seq_len}: the smallest feasible budget is {format_bytes(need)} ({need} bytes{ratio})",
         bucket=bucket, budget_bytes=budget_bytes, min_budget_bytes=need,
     )
@@ -299,7 +299,7 @@ def _summary(b: BucketPlan) -> str:
     return (f"bucket {b.bucket.name} (samples {b.sample_share:.0%}, mass {b.mass_share:.0%}, "
             f"error share {b.error_share:.0%}): "
             f"memory {format_bytes(b.memory_bytes)}, recovery {format_seconds(b.time_s)}, "
-            f"risk {b.risk:.3g} ({mix})")
+            f"{format_error(b.risk, cosine=False)} ({mix})")
 
 
 def mix_exposures(exposure_mix: Sequence[float] | str | os.PathLike | None) -> tuple[float, ...]:
@@ -378,7 +378,7 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
     weights = [BucketWeight(name=s.spec.name, samples=s.samples, error=s.error) for s in shares]
     say(f"planning {trace.model}: {len(model.units)} units x {len(shares)} buckets at batch "
         f"{model.batch}, seq_len {model.seq_len}, budget {budget.text} = {format_bytes(budget_bytes)}, "
-        f"error budget {error2:.3g} (cos >= {error2_to_cosine(error2):.6g})")
+        f"error budget {format_error(error2)}")
     # A measured ceiling holds the step's measured peak, so the prediction
     # keeps headroom for the memory model's error; a modelled one is compared
     # with the model's own prediction of GC and needs none.
@@ -393,9 +393,9 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         say(_summary(b))
     total = sum(b.risk for b in solved)
     say(f"{stats.status} in {stats.seconds:.2f} s; predicted error of the whole update "
-        f"{math.sqrt(total):.3g} (cos >= {error2_to_cosine(total):.6g})")
-    notes = [*trace.notes, f"risk: predicted squared relative gradient error of the whole update, "
-             f"budget {error2:.4g} = cos >= {error2_to_cosine(error2):.6g}; mix of {len(exposures)} samples"]
+        f"{format_error(total)}")
+    notes = [*trace.notes, f"error: predicted relative L2 error of the whole update's gradient, "
+             f"budget {format_error(error2)}; mix of {len(exposures)} samples"]
     if collapsed:
         notes.append(collapsed)
     if gc_peak_bytes is not None:

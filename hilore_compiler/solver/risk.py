@@ -45,7 +45,9 @@ e's direction, so ``cos(g~, g) >= sqrt(1 - err^2)``. Hence
 
 (``1 - 0.999^2 = 1.999e-3``, err <= 0.0447; the usual approximation
 ``err <= sqrt(2 (1 - c))`` is the same to first order). Budgets are given as
-a number (the bound on err^2 itself) or as ``"cos>=0.9999"``.
+``"cos>=0.9999"``, as ``"l2<=0.0447"`` (err itself), or as a number (the bound
+on err^2, which the ILP constrains). Messages state err, the relative L2
+error, never err^2 (``format_error``), so that one measure is read everywhere.
 """
 
 from __future__ import annotations
@@ -120,6 +122,14 @@ def error2_to_cosine(error2: float) -> float:
 
 
 _COSINE = re.compile(r"^\s*cos\s*>=\s*(0?\.\d+|0|1(?:\.0*)?)\s*$", re.IGNORECASE)
+_L2 = re.compile(r"^\s*l2\s*<=\s*(\d*\.?\d+(?:e-?\d+)?)\s*$", re.IGNORECASE)
+
+
+def format_error(error2: float, *, cosine: bool = True) -> str:
+    """A squared relative error as people read it: ``rel. L2 0.0447 (cos >= 0.999)``,
+    without the cosine it guarantees when ``cosine`` is False."""
+    text = f"rel. L2 {math.sqrt(max(error2, 0.0)):.3g}"
+    return f"{text} (cos >= {error2_to_cosine(error2):.6g})" if cosine else text
 
 
 def parse_risk_budget(budget: float | int | str | None) -> float:
@@ -130,14 +140,17 @@ def parse_risk_budget(budget: float | int | str | None) -> float:
         match = _COSINE.match(budget)
         if match:
             return cosine_to_error2(float(match[1]))
+        match = _L2.match(budget)
+        if match:
+            return float(match[1]) ** 2
         try:
             budget = float(budget)
         except ValueError:
-            raise ValueError(f"risk budget {budget!r}: expected a number (the bound on the update's "
-                             "squared relative gradient error) or 'cos>=0.999'") from None
+            raise ValueError(f"risk budget {budget!r}: expected 'cos>=0.999', 'l2<=0.045' (the "
+                             "update's relative L2 gradient error) or a number (that error squared)") from None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
             math.isfinite(budget) and budget >= 0):
-        raise ValueError(f"risk budget must be a finite number >= 0 or 'cos>=c', got {budget!r}")
+        raise ValueError(f"risk budget must be a finite number >= 0, 'cos>=c' or 'l2<=e', got {budget!r}")
     return float(budget)
 
 

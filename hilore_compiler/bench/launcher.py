@@ -44,7 +44,7 @@ class Launcher:
     On CPU every method has two workers, one after the other. ``start``'s
     measures the peak: it runs with ``MMAP_THRESHOLD_ENV``, which VmHWM needs
     (measure.py) and which slows every step by page faults (store-all's most:
-    25% on the actor bench's microbatch, bench/overhead.py), so it measures
+    25% on the actor bench's microbatch: bench/overhead.py, commit 1a36683), so it measures
     ``PEAK_STEPS`` peaks and exits. ``time``'s runs the rounds on the default
     allocator, as a trainer does, compiling from the shared caches. A method
     that plans sets up its timed worker first instead, so that its peak worker

@@ -24,7 +24,7 @@ def worker_env(inductor_cache: Path, *, peak: bool = False) -> dict[str, str]:
     ``peak``: with ``MMAP_THRESHOLD_ENV``, which the CPU peak (VmHWM) needs
     (measure.py). Otherwise the setting is dropped, even if the caller set
     it: it costs page faults on each allocation (25% on store-all's actor
-    microbatch, 15% on GC's, bench/overhead.py), so a worker that is timed
+    microbatch, 15% on GC's: the study bench/overhead.py of commit 1a36683), so a worker that is timed
     runs on the default allocator, as a trainer does, and peaks are measured
     by workers of their own.
     """

@@ -20,4 +20,6 @@ Modules in the order a run uses them:
 - ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
 - ``report``: statistics, the paper's targets, table and JSON.
 - ``plot``: the PNG, throughput against peak memory.
+- ``verl_engines``, ``verl_zero``: ``--verl-zero``, verl's FSDP2 engine with
+  and without hilore at shares of all-equal-reward groups.
 """

@@ -10,6 +10,9 @@ Modules in pipeline order:
 - ``coefficients``: c_t = d loss / d logprob_t in closed form (before the
   forward on-policy, exactly before backward) and exposure = sum_t |c_t|.
 - ``buckets``: exposure buckets (``"zero"``, ``"b0"`` ... ``"b{n-1}"``).
+- ``packing``: ``drop_then_pack``, the one rule that cuts an update into
+  micro-batches (zero samples out, the rest least exposed first under a
+  budget, one bucket per micro-batch where the counts allow).
 - ``update``: one actor update, microbatched by bucket under
   ``runtime.exposure(bucket)``, with full-batch normalisation.
 - ``step``: ``compiled_step``, the whole actor step (forward, log-probs, loss)

@@ -98,7 +98,7 @@ def summarise(config: ActorBenchConfig, runs: dict[str, MethodRun], plans: dict[
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """A markdown table of the rows, as the README shows it; the ratios of a skipping
+    """A markdown table of the rows, as docs/benchmarks.md shows it; the ratios of a skipping
     row are to GC and the blind plan with the zero skip (``references``)."""
     head = ("| method | tokens/s (median) | x GC, same skip [95% CI] | x blind, same skip [95% CI] "
             "| x without skip [95% CI] | peak MB | x GC peak "

@@ -3,7 +3,7 @@
 HiLoRe's error budget bounds each unit's gradient error through a sensitivity:
 a proxy from the trace, or one measured by ``hilore calibrate``. Measured,
 int4 on the attention units of ``small`` costs about a tenth of what the proxy
-charges, which moves the 1.5x plan (README, "Memory-speed frontier"). The
+charges, which moves the 1.5x plan (docs/benchmarks.md, the frontier). The
 planned methods' workers take their trace from the run's shared hilore cache,
 so calibrating means: one hilore worker traces into that cache, ``hilore
 calibrate --per-unit`` measures the trace in place (written atomically), the

@@ -349,6 +349,33 @@ def test_skip_only_for_losses_with_zero_gradient_at_zero_advantage():
     assert not skip_is_exact(lambda **kw: None)  # an unknown loss: every micro-batch runs
 
 
+def test_drop_only_where_every_normaliser_is_global():
+    import verl.utils.tensordict_utils as tu
+    from tensordict import TensorDict
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from hilore_compiler.integrations.verl_packing import drop_is_exact
+
+    def loss(**kw):
+        return functools.partial(ppo_loss, config=ActorConfig(
+            strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, rollout_n=4, **kw))
+
+    def data(**non_tensor):
+        td = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
+        tu.assign_non_tensor(td, **non_tensor)
+        return td
+
+    whole = data(global_batch_size=8)
+    assert drop_is_exact(loss(), whole)
+    assert drop_is_exact(loss(loss_agg_mode="seq-mean-token-mean"), whole)
+    assert not drop_is_exact(loss(loss_agg_mode="seq-mean-token-mean"), data())  # per micro-batch count
+    assert not drop_is_exact(loss(loss_agg_mode="seq-mean-token-sum-norm"), whole)  # padded length
+    assert not drop_is_exact(loss(use_kl_loss=True), whole)
+    assert not drop_is_exact(loss(), data(global_batch_size=8, return_model_output=True))
+    assert not drop_is_exact(loss(), data(global_batch_size=8, force_group_size=2))
+
+
 def test_exposure_is_zero_exactly_where_advantages_are():
     from hilore_compiler.integrations.verl import microbatch_exposures
 

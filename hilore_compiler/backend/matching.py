@@ -105,11 +105,30 @@ def match_plan(plan: Plan, bucket: str | None, units: list[UnitNodes], batch: in
     )
 
 
+#: How far a fused attention unit's bytes may differ between the device a plan
+#: was made on and the graph's: kernels save the same output but their own
+#: bookkeeping beside it (CUDA's flash and memory-efficient kernels an RNG
+#: seed and offset, memory-efficient a log-sum-exp padded to 32 rows, the
+#: CPU's neither). At head size 16 the log-sum-exp is 1/17 of the unit in
+#: fp32 and 1/9 in bf16, and padding at most doubles it from 32 rows on: 1/4
+#: lets that through and still refuses a unit of another width (head sizes
+#: change by 2x).
+ATTENTION_SIZE_SLACK = 0.25
+
+
+def sizes_agree(planned: int, actual: int, key: str) -> bool:
+    """Whether a plan's unit and the graph's are one tensor: equal bytes, or
+    for fused attention (key op ``sdpa``) within ``ATTENTION_SIZE_SLACK``."""
+    if planned == actual:
+        return True
+    return key.rsplit(":", 2)[-2] == "sdpa" and abs(planned - actual) <= ATTENTION_SIZE_SLACK * max(planned, actual)
+
+
 def _same_sizes(plan: Plan, prefix: str, shared: list[str], graph: dict[str, UnitNodes]) -> list[str]:
     """The shared keys whose sizes agree; refuses a plan for another model."""
     planned = {u.key: u.bytes for u in plan.units}
     actual = {k: unit_nbytes(graph[k]) for k in shared}
-    differ = [k for k in shared if planned.get(prefix + k, actual[k]) != actual[k]]
+    differ = [k for k in shared if not sizes_agree(planned.get(prefix + k, actual[k]), actual[k], k)]
     if shared and len(differ) * 2 >= len(shared):
         key = differ[0]
         raise PlanMismatchError(

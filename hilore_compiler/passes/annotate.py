@@ -5,7 +5,8 @@ default min-cut partition saves for backward. Output: one ``UnitNodes`` per
 recovery unit, and ``node.meta["hilore_unit"]`` (the unit key) on every node
 that belongs to a unit. Keys come from the module path and op kind, never
 from FX node names, so the same model gives the same keys in every process
-and at every shape.
+and at every shape, and a fused attention kernel is named by its call
+(``sdpa``), so the same model gives the same keys on every device.
 """
 
 from __future__ import annotations
@@ -109,6 +110,24 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+#: The fused attention kernels one ``F.scaled_dot_product_attention`` call
+#: becomes, one per device and input (the CPU's flash, CUDA's flash,
+#: memory-efficient and cuDNN kernels, a backend's own). A unit key names the
+#: call, not the kernel, so a plan made where one kernel runs fits a graph
+#: where another does (``passes.gpu_lowering`` makes traces pick the GPU's).
+ATTENTION_OPS = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+})
+
+
+def key_op(node: fx.Node) -> str:
+    """The op as a unit key names it: ``op_name``, with every fused attention kernel as ``sdpa``."""
+    name = op_name(node)
+    return "sdpa" if name in ATTENTION_OPS else name
+
+
 def _source_fn(node: fx.Node) -> str:
     stack = node.meta.get("source_fn_stack")
     if not stack:
@@ -192,7 +211,7 @@ def _stable_indices(graph: fx.Graph) -> dict[fx.Node, int]:
     for node in graph.nodes:
         if node.op != "call_function" or is_backward(node) or node.target is operator.getitem:
             continue
-        group = (module_fqn(node), op_name(node))
+        group = (module_fqn(node), key_op(node))
         index[node] = seen[group]
         seen[group] += 1
     return index
@@ -266,7 +285,7 @@ def annotate_units(joint: fx.GraphModule, saved_names: set[str], prefix: str = "
     units = []
     for root, members in groups.items():
         fqn, op = module_fqn(root), op_name(root)
-        key = f"{prefix}{fqn or '<top>'}:{op}:{index.get(root, 0)}"
+        key = f"{prefix}{fqn or '<top>'}:{key_op(root)}:{index.get(root, 0)}"
         region, frontier = _region(tuple(members), stops)
         region.sort(key=order.__getitem__)
         reason = _recompute_verdict(region + ([root] if root not in region else []))

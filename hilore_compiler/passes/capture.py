@@ -179,6 +179,26 @@ def capture_joint(joint: fx.GraphModule, joint_inputs: Sequence[object], real_ar
     return capture
 
 
+def meta_values(joint: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Meta tensors shaped like each forward value of ``joint`` (symbolic
+    sizes at their hints): what roofline costs read, with nothing run.
+
+    A graph of fake CUDA tensors cannot be run on this machine, and a meta
+    one need not be: roofline costs and synthetic codec errors need shapes
+    and dtypes only.
+    """
+    values = {}
+    for node in joint.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not is_backward(node):
+            values[node.name] = torch.empty_strided([size_hint(d) for d in val.shape],
+                                                    [size_hint(d) for d in val.stride()],
+                                                    dtype=val.dtype, device="meta")
+        elif isinstance(val, torch.SymInt):
+            values[node.name] = size_hint(val)
+    return values
+
+
 class CaptureDone(Exception):
     """Raised by ``RecordingPartitioner`` to stop a compile once the graph is captured."""
 
@@ -292,8 +312,8 @@ def _meta_backend(captures: list[GraphCapture]) -> Callable:
     from torch._inductor.decomposition import select_decomp_table
 
     def partition(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        # Values: meta stand-ins of the inputs, enough for roofline costs.
-        capture = capture_joint(joint, joint_inputs, None, index=len(captures), record_values=True,
+        # Values: the tracer's meta stand-ins (``meta_values``), enough for roofline costs.
+        capture = capture_joint(joint, joint_inputs, None, index=len(captures), record_values=False,
                                 compiler="inductor", **kwargs)
         captures.append(capture)
         return capture.fw, capture.bw
@@ -357,7 +377,11 @@ def capture_joint_graphs(
     def traced(*args: Any, **kw: Any) -> Any:
         return model(*args, **kw)
 
-    torch.compile(fresh_code(traced), backend=backend)(*example_inputs, **kwargs)
+    from .gpu_lowering import lowered_as_gpu
+
+    # Meta and fake CUDA tensors lower attention as a GPU does; real ones as their device does.
+    with lowered_as_gpu():
+        torch.compile(fresh_code(traced), backend=backend)(*example_inputs, **kwargs)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
     if breaks or len(captures) > 1:
         reasons = list(torch._dynamo.utils.counters["graph_break"])[-max(breaks, 1):]

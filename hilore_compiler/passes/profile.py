@@ -94,6 +94,10 @@ class _RooflineCounter(fx.Interpreter):
         self.spec, self.seconds, self.flops = spec, 0.0, 0
 
     def call_function(self, target, args, kwargs):
+        if "device" in kwargs:
+            # A factory call of the graph's device (cuda, for a fake CUDA
+            # graph): made on meta, like every value here, whatever this machine has.
+            kwargs = {**kwargs, "device": torch.device("meta")}
         with FlopCounterMode(display=False) as counter:
             out = super().call_function(target, args, kwargs)
         flops = counter.get_total_flops()

@@ -17,9 +17,10 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
-from .capture import GraphCapture, capture_joint_graphs
+from .capture import GraphCapture, capture_joint_graphs, meta_values
 from .allocator import default_allocator
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
@@ -189,8 +190,9 @@ def trace(
         config = dataclasses.replace(config, notes=config.notes + (
             "traced at batch 2 from a batch-1 example: a size-1 batch would be specialised and lose B",))
         say("batch 1 doubled to 2 so that sizes keep the batch symbol B")
+    # Roofline costs read shapes alone (``capture.meta_values``): nothing is run.
     captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss, dynamic=config.dynamic,
-                                    example_kwargs=example_kwargs)
+                                    example_kwargs=example_kwargs, record_values=config.cost_model == "measured")
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
     shape = tuple(_first_tensor(example_inputs, example_kwargs).shape)
     batch, seq_len = (shape + (1, 1))[:2]
@@ -229,9 +231,13 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         symbols = shape_symbols(capture.joint.graph)
         prefix = f"g{capture.index}/" if capture.index else ""
         graph_units = annotate_units(capture.joint, capture.saved_names, prefix)
+        if config.cost_model != "measured" and not capture.values:
+            capture.values = meta_values(capture.joint)
         step = max(1, len(graph_units) // 10)
         profiled = []
-        with default_allocator():
+        # Costs run real (or meta) tensors: a caller's fake mode (a model
+        # traced on fake CUDA tensors) must be off meanwhile.
+        with default_allocator(), unset_fake_temporarily():
             for i, unit in enumerate(graph_units):
                 profiled.append(_profile(unit, capture.values, symbols, profile_config))
                 if (i + 1) % step == 0 or i + 1 == len(graph_units):
@@ -284,7 +290,9 @@ def _profile(unit: UnitNodes, values: dict[str, Any], symbols, config: ProfileCo
 
 
 def _device_of(captures: Sequence[GraphCapture]) -> str:
-    for value in captures[0].values.values():
-        if isinstance(value, torch.Tensor):
-            return value.device.type
+    """The device the graph runs on: its first input's (fake CUDA counts as CUDA)."""
+    for node in captures[0].joint.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            return val.device.type
     return "cpu"

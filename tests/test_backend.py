@@ -221,3 +221,30 @@ def test_trace_codecs_must_hold_every_codec_a_plan_may_use():
 def test_unknown_option_lists_the_known_ones():
     with pytest.raises(ValueError, match="known options.*memory_budget"):
         BackendOptions.from_mapping({"memroy_budget": "1x-gc"})
+
+
+def test_cost_model_option_takes_measured_or_a_known_gpu_roofline():
+    assert BackendOptions.from_mapping({}).cost_model == "measured"
+    assert BackendOptions.from_mapping({"cost_model": "roofline:h200"}).cost_model == "roofline:h200"
+    with pytest.raises(ValueError, match="'cost_model' must be 'measured' or 'roofline:<gpu>'"):
+        BackendOptions.from_mapping({"cost_model": "roofline:h1000"})
+
+
+def test_a_roofline_zero_config_plan_runs_nothing_while_planning(tmp_path, monkeypatch):
+    """cost_model='roofline:...' plans from shapes alone: no unit's region is re-run
+    and the forward is not recorded, yet every unit gets a decision."""
+    import hilore_compiler.passes.capture as capture
+
+    def no_recording(*args, **kwargs):
+        raise AssertionError("a roofline plan recorded forward values")
+
+    monkeypatch.setattr(capture._ForwardRecorder, "run", no_recording)
+    model = build_model("tiny")
+    backend = HiLoReBackend({"cost_model": "roofline:h100", "cache_dir": str(tmp_path), "strict": True,
+                             "verbose": False, "buckets": 1})
+    compiled = torch.compile(model, backend=backend)
+    (-token_logprobs(compiled(_ids()), _ids()).mean()).backward()
+    graph = backend.graphs[0]
+    record = graph.records[0]
+    assert record.units > 0 and record.matched == record.units
+    assert {u.recompute_source for u in graph.planner.trace.units if u.recomputable} == {"roofline:h100"}

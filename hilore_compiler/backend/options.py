@@ -35,6 +35,11 @@ class BackendOptions:
     #: Plans that allow fewer codecs then share one trace (and its measured
     #: costs) with plans that allow them all.
     trace_codecs: tuple[str, ...] | None = None
+    #: How a graph the backend plans itself is costed: ``"measured"`` times each
+    #: unit's recompute and codecs here; ``"roofline:h100"`` (``h200``,
+    #: ``a100``) predicts them from FLOPs, bytes and the device's peaks and
+    #: runs nothing: for CI, a fake-CUDA graph, or where profiling is unwanted.
+    cost_model: str = "measured"
     #: Number of non-zero exposure buckets (one compiled variant each at most).
     buckets: int = 3
     #: Where zero-config plans and traces are cached, keyed by graph and
@@ -134,6 +139,18 @@ def _codec_names(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(c, str) and c for c in value)
 
 
+def _known_cost_model(value: str) -> bool:
+    from ..passes.costmodel import device_spec
+
+    if value == "measured":
+        return True
+    try:
+        device_spec(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
@@ -150,6 +167,8 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "codecs": (_codec_names, 'a list of codec names such as ["bf16", "int8"] (a list, even for one codec)'),
     "trace_codecs": (lambda v: v is None or _codec_names(v),
                      "a list of codec names (a superset of codecs), or None (the same as codecs)"),
+    "cost_model": (lambda v: isinstance(v, str) and _known_cost_model(v),
+                   "'measured' or 'roofline:<gpu>' with <gpu> one of h100, h200, a100"),
     "buckets": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive int (the number of non-zero exposure buckets)"),
     "cache_dir": (_path, "a folder path (str or os.PathLike)"),

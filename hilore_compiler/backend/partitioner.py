@@ -61,11 +61,25 @@ def saved_tensor_bytes(fw: fx.GraphModule, num_fwd_outputs: int, joint: fx.Graph
     return nodes_nbytes(n for n in joint.graph.nodes if n.name in saved and is_activation(n))
 
 
+def unwrap_rng_replay(node: fx.Node) -> tuple[Any, tuple, dict]:
+    """(op, args, kwargs) of ``node``, looking through a replay of a random op with its
+    forward RNG state: ``run_with_rng_state(state, op, *args)`` on the CPU, and
+    on CUDA ``graphsafe_run_with_rng_state(op, *args, rng_state=...)``, which
+    min-cut wraps around a recomputed fused attention or dropout."""
+    higher_order = torch.ops.higher_order
+    if node.target is getattr(higher_order, "run_with_rng_state", None):
+        return node.args[1], node.args[2:], dict(node.kwargs)
+    if node.target is getattr(higher_order, "graphsafe_run_with_rng_state", None):
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "rng_state"}
+        return node.args[0], node.args[1:], kwargs
+    return node.target, node.args, dict(node.kwargs)
+
+
 def graph_flops(gm: fx.GraphModule) -> int:
     """FLOPs of one run of ``gm``, from its nodes' shapes (nothing is run).
 
     Uses FlopCounterMode's formulas per op; an op replayed with its forward
-    RNG state (``run_with_rng_state``) counts as the op it wraps. Symbolic
+    RNG state (``unwrap_rng_replay``) counts as the op it wraps. Symbolic
     sizes count at their hints: the formulas see meta tensors of those sizes,
     so no shape guard is added to a dynamic graph.
     """
@@ -79,14 +93,14 @@ def graph_flops(gm: fx.GraphModule) -> int:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        target, args = node.target, node.args
-        if target is getattr(torch.ops.higher_order, "run_with_rng_state", None):
-            target, args = args[1], args[2:]
+        target, args, kwargs = unwrap_rng_replay(node)
         formula = flop_registry.get(getattr(target, "overloadpacket", None))
         if formula is None:
             continue
+        # Min-cut's RNG replay nodes carry no value of their own; formulas
+        # read their inputs' shapes.
         vals, kwargs, out = tree_map_only(torch.Tensor, at_hint, tree_map_only(
-            fx.Node, lambda n: n.meta["val"], (args, node.kwargs, node.meta["val"])))
+            fx.Node, lambda n: n.meta["val"], (args, kwargs, node.meta.get("val"))))
         vals, kwargs = tree_map_only(torch.SymInt, size_hint, (vals, kwargs))
         total += formula(*vals, **kwargs, out_val=out)
     return total

@@ -33,7 +33,7 @@ from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
 
 #: Bumped when traces or plans made by older code must not be reused.
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 
 
 class HiLoReWarning(UserWarning):
@@ -87,6 +87,7 @@ def code_digest() -> str:
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
     planning = [options.memory_budget, options.risk_budget, list(options.codecs), list(options.profiled_codecs),
+                options.cost_model,
                 options.buckets, options.loss_ratio, options.gc_peak_bytes, options.max_seq_len,
                 options.min_seq_len, options.length_mix, options.length_buckets]
     return _key(gm, example_inputs, planning)
@@ -100,7 +101,7 @@ def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Backen
     again would give each plan its own timing noise (a 2-core CPU's spread
     moves decisions between near-equal options).
     """
-    return _key(gm, example_inputs, ["trace", list(options.profiled_codecs)])
+    return _key(gm, example_inputs, ["trace", list(options.profiled_codecs), options.cost_model])
 
 
 def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) -> str:
@@ -223,7 +224,8 @@ def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, se
     """Annotate and profile one captured joint graph into a trace."""
     from ..passes.tracer import TraceConfig, trace_captures
 
-    config = TraceConfig(model_name=name, codecs=tuple(options.profiled_codecs), verbose=False)
+    config = TraceConfig(model_name=name, codecs=tuple(options.profiled_codecs), verbose=False,
+                         cost_model=options.cost_model)
     return trace_captures([capture], batch, seq_len, config)
 
 
@@ -329,7 +331,10 @@ class GraphPlanner:
         digest = hashlib.sha256(joint.code.encode()).hexdigest()
         make_plan = not self.plans and self.planning
         if make_plan or digest not in self._saved:
-            capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan, **kwargs)
+            # Roofline costs read shapes alone: nothing runs (``capture.meta_values``).
+            measured = self.options.cost_model == "measured"
+            capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan and measured,
+                                    **kwargs)
             self._saved[digest] = capture.saved_names
             if make_plan:
                 self._make_plan(capture)

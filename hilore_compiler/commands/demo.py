@@ -118,7 +118,8 @@ def _loss_ratio(model: torch.nn.Module, batch: RolloutBatch, microbatch: int) ->
                          batch.response_mask[:microbatch], GRPOConfig(), num_sequences=n, num_tokens=tokens)
 
     shape = (microbatch, ids.shape[1], model.config.vocab_size)
-    return plan_loss_ratio(loss_side(loss, shape, next(model.parameters()).dtype, "cpu"))
+    with _quiet_stderr():
+        return plan_loss_ratio(loss_side(loss, shape, next(model.parameters()).dtype, "cpu"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -495,18 +495,23 @@ def test_resimulation_rejects_what_the_solver_should_not_return():
 def test_checked_in_traces_buckets_differ_where_the_budget_binds():
     """At 1.10x-gc both checked-in traces compress, and at the default target
     (cos >= 0.999) their error budgets do not bind: a codec's measured errors
-    are too small. At cos >= 0.99999 they bind, and then the buckets' plans
+    are too small. A few nines tighter they bind, and then the buckets' plans
     must differ: the high-mass bucket pays time for exactness."""
     from pathlib import Path
 
     traces = Path(__file__).parent.parent / "traces"
     defaults = {}
-    for name in ("small-cpu-T2048.json", "llama-8b-roofline-h100.json"):
+    # Where each trace's budget binds: on the GPU's graph (flash attention,
+    # no S x S probabilities to keep) the 8B trace's buckets would save 0.0%
+    # of recovery time with plans of their own at cos >= 0.99999, under the
+    # 2% a variant must pay; one more nine binds it.
+    binding = {"small-cpu-T2048.json": "cos>=0.99999", "llama-8b-roofline-h100.json": "cos>=0.999999"}
+    for name, target in binding.items():
         default = defaults[name] = solve(traces / name, "1.10x-gc", options=QUICK)
         solved = [b for b in default.buckets if not b.skip]
         assert all(any(o.startswith("compress:") for _, o in b.decisions) for b in solved), name
         assert sum(b.risk for b in solved) <= default.risk_budget
-        tight = solve(traces / name, "1.10x-gc", risk_budget="cos>=0.99999", options=BINDING)
+        tight = solve(traces / name, "1.10x-gc", risk_budget=target, options=BINDING)
         solved = [b for b in tight.buckets if not b.skip]
         assert sum(b.risk for b in solved) > 0.4 * tight.risk_budget, name
         assert len({b.decisions for b in solved}) > 1, f"{name}: buckets collapsed to one plan where the budget binds"

@@ -18,6 +18,7 @@ carries the loss's 1/N normalisation. ``plan = batch x N``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 #: Options of a recovery unit (DESIGN.md "option").
 STORE = "store"
@@ -53,6 +54,16 @@ def group_of(layer: int | None) -> str:
 def compress(codec: str) -> str:
     """The option that keeps a unit compressed with ``codec``: ``compress:<codec>``."""
     return COMPRESS_PREFIX + codec
+
+
+def check_codecs(names: Sequence[str], known: Sequence[str], source: str) -> tuple[str, ...]:
+    """``names`` without repeats, after checking each is in ``known``; one wording for the
+    backend's ``codecs`` option and ``hilore plan --codecs``. ``source`` says where
+    ``known`` comes from (``"the trace of M measured"``, ``"hilore knows"``)."""
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        raise ValueError(f"unknown codec(s) {unknown}: {source} {list(known)}")
+    return tuple(dict.fromkeys(names))
 
 
 def codec_of(option: str) -> str | None:

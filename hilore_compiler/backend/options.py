@@ -12,7 +12,7 @@ from typing import Any
 from ..planfile import Plan
 from .cache import default_cache_dir
 from ..validate import plan_problems, raise_problems
-from ..vocabulary import DEFAULT_CODECS
+from ..vocabulary import DEFAULT_CODECS, check_codecs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +91,7 @@ class BackendOptions:
             if not accepts(value):
                 raise ValueError(f"hilore backend option {name!r} must be {expected}, "
                                  f"got {type(value).__name__} {value!r}")
+        _check_values(options)
         if isinstance(options.get("plan"), (list, tuple)):
             options["plan"] = tuple(options["plan"])
         for i, plan in enumerate(_as_tuple(options.get("plan"))):
@@ -113,6 +114,26 @@ class BackendOptions:
         if "cache_dir" in options:
             options["cache_dir"] = os.fspath(options["cache_dir"])
         return cls(**options)
+
+
+def _check_values(options: Mapping[str, Any]) -> None:
+    """Parse the options whose strings have a grammar, with the words ``hilore plan`` uses,
+    so that a typo fails here, before anything is profiled or cached."""
+    from ..codecs import registered_codecs
+    from ..solver import parse_budget, parse_risk_budget
+
+    checks: dict[str, Callable[[Any], Any]] = {
+        "memory_budget": parse_budget,
+        "risk_budget": parse_risk_budget,
+        "codecs": lambda v: check_codecs(v, registered_codecs(), "hilore knows"),
+        "trace_codecs": lambda v: v is None or check_codecs(v, registered_codecs(), "hilore knows"),
+    }
+    for name, check in checks.items():
+        if name in options:
+            try:
+                check(options[name])
+            except ValueError as error:
+                raise ValueError(f"hilore backend option {name!r}: {error}") from None
 
 
 def _default(name: str) -> Any:

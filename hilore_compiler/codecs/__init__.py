@@ -20,7 +20,7 @@ registry. The shared machinery lives in ``_emit`` (eager/graph emitters) and
 """
 
 from ._emit import CODEC_META_KEY
-from .base import Codec, NonFiniteError, codec_names, get_codec, register_codec
+from .base import Codec, NonFiniteError, codec_names, get_codec, register_codec, registered_codecs
 # Importing a codec module registers it; this order is codec_names()' order.
 from .bf16 import BF16, Bf16Codec  # isort: skip
 from .int8 import INT8, Int8Codec  # isort: skip
@@ -42,4 +42,5 @@ __all__ = [
     "codec_names",
     "get_codec",
     "register_codec",
+    "registered_codecs",
 ]

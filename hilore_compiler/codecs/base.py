@@ -217,6 +217,11 @@ def get_codec(name: str) -> Codec:
         raise ValueError(f"unknown codec {name!r}; known codecs: {known}") from None
 
 
+def registered_codecs() -> list[str]:
+    """Names of every registered codec, available on this machine or not, in registration order."""
+    return list(_REGISTRY)
+
+
 def codec_names(device: torch.device | str = "cpu") -> list[str]:
     """Names of the registered codecs available on ``device``, in registration order."""
     return [name for name, codec in _REGISTRY.items() if codec.available(device)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
 from ..tracefile import Trace, load_trace
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
+from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, check_codecs
 from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc
 from .ilp import BucketWeight, expected_time_s
@@ -75,10 +75,7 @@ def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[st
         return tuple(known)
     if isinstance(codecs, str):
         codecs = [c.strip() for c in codecs.split(",") if c.strip()]
-    unknown = [c for c in codecs if c not in known]
-    if unknown:
-        raise ValueError(f"unknown codec(s) {unknown}: the trace of {trace.model} measured {known}")
-    return tuple(dict.fromkeys(codecs))
+    return check_codecs(codecs, known, f"the trace of {trace.model} measured")
 
 
 def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | None,

@@ -153,3 +153,35 @@ def test_plans_for_other_solver_options_reuse_the_graphs_trace(tmp_path, monkeyp
     torch._dynamo.reset()
     _compile_step(_mlp(), HiLoReBackend({**base, "codecs": ["bf16"], "buckets": 1}))  # other codecs: traced anew
     assert len(traced) == 2
+
+
+def test_compiler_settings_that_change_the_joint_graph_change_the_key(tmp_path):
+    """``fallback_random`` changes how dropout's RNG appears in the joint graph: a plan
+    made without it must not be served with it (5 of its units were not in the graph)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    options = {"cache_dir": str(tmp_path), "codecs": [], "buckets": 1, "verbose": False, "strict": True}
+    _compile_step(_mlp(), HiLoReBackend(options))
+    with inductor_config.patch(fallback_random=not inductor_config.fallback_random):
+        torch._dynamo.reset()
+        _compile_step(_mlp(), HiLoReBackend(options))
+    with functorch_config.patch(ban_recompute_reductions=not functorch_config.ban_recompute_reductions):
+        torch._dynamo.reset()
+        _compile_step(_mlp(), HiLoReBackend(options))
+    assert len(list(tmp_path.glob("*.plan.json"))) == 3 and len(list(tmp_path.glob("*.trace.json"))) == 3
+
+
+def test_the_key_names_versions_and_settings_the_same_way_in_every_process():
+    import subprocess
+    import sys
+
+    from hilore_compiler.backend import cachekey
+
+    here = cachekey.environment()
+    assert torch.__version__ in here and cachekey.hilore_version() in here
+    assert here[-1]["inductor.fallback_random"] is False and "functorch.activation_memory_budget" in here[-1]
+    script = "import json; from hilore_compiler.backend.cachekey import environment; print(json.dumps(environment()))"
+    fresh = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+             for _ in range(2)]
+    assert fresh[0] == fresh[1]

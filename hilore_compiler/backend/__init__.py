@@ -3,6 +3,9 @@
 Modules, in the order a compile meets them:
 
 - ``options``     ``BackendOptions``: what ``options={...}`` may say.
+- ``shapes``      which input carries a graph's (batch, sequence); static or dynamic.
+- ``cachekey``    the plan cache's keys: graph, inputs, compiler settings, versions, options.
+- ``cache``       ``PlanCache``: cached plans and traces, moved aside when they do not fit.
 - ``planning``    where a graph's plan comes from (given, cached, solved now).
 - ``partitioner`` the custom partitioner Inductor calls: plan, apply, min-cut.
 - ``compiler``    ``HiLoReBackend``: one Inductor variant per distinct bucket plan.

@@ -39,7 +39,7 @@ def _warn(message: str) -> None:
 class PlanCache:
     """The plan file of one cache key and the trace file it is solved from; ``folder`` None when unwritable.
 
-    The trace has a key of its own (``planning.trace_key``): plans that differ
+    The trace has a key of its own (``cachekey.trace_key``): plans that differ
     only in solver options share it.
     """
 

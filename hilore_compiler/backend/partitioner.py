@@ -29,7 +29,8 @@ from ..passes.sizes import size_hint
 from ..planfile import Plan
 
 from .matching import nodes_nbytes, unit_nbytes
-from .planning import GraphPlanner, code_digest
+from .cachekey import code_digest
+from .planning import GraphPlanner
 
 
 @dataclass(slots=True)

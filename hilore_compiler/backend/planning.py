@@ -3,23 +3,19 @@
 One graph, one truth: a zero-config plan is made inside Inductor's
 partitioner call, on the very joint graph that is then partitioned (trace,
 profile, solve, apply), so the units planned are the units applied. The plan
-and its trace are cached on disk under a key of the graph's code, input
-shapes and the planning options, so the next process starts from the plan
-(``PlanCache``). A given plan is matched to the graph's units by key
+and its trace are cached on disk under a key of the graph, its inputs, the
+compiler settings and versions and the planning options (``cachekey``), so
+the next process starts from the plan (``PlanCache``). A given plan is matched to the graph's units by key
 (``matching``); a plan made for another shape is re-solved from its trace.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -29,91 +25,14 @@ from ..passes.capture import GraphCapture, capture_joint, lifted_args
 from ..planfile import Plan, load_plan
 from ..tracefile import Trace, load_trace
 from .cache import PlanCache
+# cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
+from .cachekey import cache_key, trace_key  # noqa: F401
 from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
-
-#: Bumped when traces or plans made by older code must not be reused.
-CACHE_VERSION = "3"
-
+from .shapes import graph_shape, is_dynamic, shape_at, shape_slot  # noqa: F401
 
 class HiLoReWarning(UserWarning):
     """The backend fell back to Inductor's own choice for something it could not plan."""
-
-
-def is_dynamic(example_inputs: Sequence[Any]) -> bool:
-    """Whether dynamo made the graph dynamic: its symbolic sizes arrive as SymInt inputs."""
-    return any(isinstance(x, torch.SymInt) for x in example_inputs)
-
-
-def shape_slot(example_inputs: Sequence[Any]) -> int | None:
-    """Index of the input whose leading dims are the graph's (batch, sequence).
-
-    The first 2-D integer input (token ids) when there is one, else the first
-    non-parameter tensor input (hidden states of a per-block compile, images
-    of a CNN); None when there is no tensor input.
-    """
-    slots = [i for i, x in enumerate(example_inputs)
-             if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.dim() >= 1]
-    ids = [i for i in slots if example_inputs[i].dim() == 2 and not example_inputs[i].is_floating_point()]
-    return (ids or slots or [None])[0]
-
-
-def shape_at(args: Sequence[Any], slot: int | None) -> tuple[int, int]:
-    """(batch, sequence) of one call, read from input ``slot`` (``shape_slot``); (1, 1) without one."""
-    if slot is None:
-        return 1, 1
-    shape = args[slot].shape
-    return int(shape[0]), int(shape[1]) if len(shape) >= 2 else 1
-
-
-def graph_shape(example_inputs: Sequence[Any]) -> tuple[int, int]:
-    """(batch, sequence) of a graph: the plan's shape (``shape_slot``).
-
-    For a dynamic graph these are the sizes of the call being compiled: its
-    costs are measured there, and its plans hold over a range of lengths.
-    """
-    return shape_at(example_inputs, shape_slot(example_inputs))
-
-
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """Hash of hilore's own source: a cached plan made by other code is stale."""
-    h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
-    """Key of a zero-config plan: graph code, input shapes, planning options, hilore's code."""
-    planning = [options.memory_budget, options.risk_budget, list(options.codecs), list(options.profiled_codecs),
-                options.cost_model,
-                options.buckets, options.loss_ratio, options.gc_peak_bytes, options.max_seq_len,
-                options.min_seq_len, options.length_mix, options.length_buckets]
-    return _key(gm, example_inputs, planning)
-
-
-def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
-    """Key of a zero-config trace: ``cache_key`` without the options that only the solver reads.
-
-    Plans for other budgets, buckets or loss sides of the same graph are
-    solved from one trace, so they weigh the same measured costs: profiling
-    again would give each plan its own timing noise (a 2-core CPU's spread
-    moves decisions between near-equal options).
-    """
-    return _key(gm, example_inputs, ["trace", list(options.profiled_codecs), options.cost_model])
-
-
-def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) -> str:
-    shapes = [(tuple(x.shape), str(x.dtype), str(x.device)) for x in example_inputs if isinstance(x, torch.Tensor)]
-    if is_dynamic(example_inputs):
-        # The symbolic shapes, and the call's sizes that costs are measured at.
-        symbolic = [str(getattr(n.meta.get("example_value"), "shape", n.meta.get("example_value")))
-                    for n in gm.graph.nodes if n.op == "placeholder"]
-        shapes = [symbolic, graph_shape(example_inputs)]
-    text = json.dumps([CACHE_VERSION, code_digest(), torch.__version__, gm.code, repr(shapes), options],
-                      default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:

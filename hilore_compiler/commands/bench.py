@@ -94,6 +94,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "instead of proxy sensitivities")
     p.add_argument("-o", "--output", help="result JSON (default bench/results/bench-<model>-T<len>.json; with "
                                           "--actor-update actor-update-<model>-T<len>-<loss>.json)")
+    p.add_argument("--verl-zero", action="store_true",
+                   help="time verl's FSDP2 actor update (2 gloo ranks, tiny random Qwen2, dynamic batch size) "
+                        "at 0/25/50/75%% all-equal-reward groups: verl's engine with GC, hilore skipping whole "
+                        "zero micro-batches, hilore dropping zero samples (--repeats rounds; --quick: smaller)")
     p.add_argument("--nproc", type=int,
                    help="FSDP2 across this many processes (gloo on CPU, nccl on GPUs): GC, store-all "
                         "and HiLoRe compiled per block; --batch is then per rank "
@@ -169,6 +173,25 @@ def run_actor(args: argparse.Namespace) -> int:
     return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
 
 
+def run_zero_shares(args: argparse.Namespace) -> int:
+    """``--verl-zero``: run, print the table, save the JSON."""
+    from ..bench.verl_zero import QUICK, VerlZeroConfig, format_table, run_verl_zero
+    from ..jsonio import write_json_atomic
+
+    values: dict = dict(QUICK) if args.quick else {}
+    if args.repeats is not None:
+        values["rounds"] = args.repeats
+    if args.seed is not None:
+        values["seed"] = args.seed
+    config = VerlZeroConfig(**values)
+    output = Path(args.output or RESULTS_DIR / f"verl-zero-h{config.hidden}-l{config.layers}.json")
+    report = run_verl_zero(config)
+    report["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(format_table(report))
+    print(f"results: {write_json_atomic(output, report)}")
+    return 0
+
+
 def run_lengths(args: argparse.Namespace) -> int:
     """``--lengths``: run, print the tables, save the JSON."""
     from ..bench.lengths import LengthsBenchConfig, render_lengths, run_lengths_bench
@@ -225,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args)
     if args.actor_update:
         return run_actor(args)
+    if args.verl_zero:
+        return run_zero_shares(args)
     if args.lengths:
         return run_lengths(args)
     config = config_from_args(args)

@@ -185,3 +185,40 @@ def test_the_key_names_versions_and_settings_the_same_way_in_every_process():
     fresh = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
              for _ in range(2)]
     assert fresh[0] == fresh[1]
+
+
+def test_a_cached_plan_of_another_model_is_moved_aside_and_the_graph_planned_afresh(tmp_path):
+    """A valid plan under the key that was made for another model stopped every later
+    run with PlanMismatchError; now it is set aside, said once, and training goes on."""
+    options = {"cache_dir": str(tmp_path), "codecs": [], "buckets": 1, "verbose": False}
+    other = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))  # same unit keys, other sizes
+    _compile_step(other, HiLoReBackend({**options, "cache_dir": str(tmp_path / "other")}))
+    _compile_step(_mlp(), HiLoReBackend(options))
+    (plan_file,) = tmp_path.glob("*.plan.json")
+    (other_plan,) = (tmp_path / "other").glob("*.plan.json")
+    plan_file.write_text(other_plan.read_text())
+    torch._dynamo.reset()
+    again = HiLoReBackend({**options, "strict": True})  # even strict: the cache is not the user's input
+    with pytest.warns(HiLoReWarning, match="does not fit this graph") as said:
+        _compile_step(_mlp(), again)
+    assert sum("does not fit" in str(w.message) for w in said) == 1
+    (graph,) = again.graphs
+    assert graph.plan is not None and graph.records[0].matched == graph.records[0].units > 0
+    assert list(tmp_path.glob("*.plan.json.mismatch-*")) and list(tmp_path.glob("*.trace.json.mismatch-*"))
+    assert plan_file.read_text() != other_plan.read_text()  # a plan of this graph took its place
+
+
+def test_writers_leftover_temporary_files_are_removed_when_the_cache_opens(tmp_path):
+    import os
+    import time
+
+    from hilore_compiler.backend.cache import STALE_TMP_S
+
+    left = tmp_path / ".abc.plan.json.x1y2.tmp"  # as jsonio.write_json_atomic names them
+    live = tmp_path / ".abc.plan.json.z3w4.tmp"  # a writer at work right now
+    for path in (left, live):
+        path.write_text("{")
+    old = time.time() - 2 * STALE_TMP_S
+    os.utime(left, (old, old))
+    PlanCache.open(str(tmp_path), "key", BackendOptions(cache_dir=str(tmp_path), verbose=False))
+    assert not left.exists() and live.exists()

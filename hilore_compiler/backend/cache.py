@@ -1,8 +1,10 @@
 """The on-disk cache of zero-config plans and traces, which heals itself.
 
-A cache that cannot be written is skipped (the plan is still made and used)
-and a cached file that cannot be read is moved aside and made anew; either
-is said once. The cache never stops a compile.
+A cache that cannot be written is skipped (the plan is still made and used);
+a cached file that cannot be read, or a plan or trace that does not fit the
+graph it is keyed under (``StaleCacheError``), is moved aside and made anew;
+each is said once. Temporary files that killed writers left behind are
+removed when the cache is opened. The cache never stops a compile.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ from ..tracefile import Trace, load_trace
 
 if TYPE_CHECKING:
     from .options import BackendOptions
+
+
+#: Age in seconds past which a writer's temporary file (``jsonio.write_json_atomic``:
+#: ``.<name>.<random>.tmp``) is a leftover of a killed process: a live writer
+#: holds one for the milliseconds a plan or trace takes to write, so ten
+#: minutes never removes a file still being written.
+STALE_TMP_S = 600.0
+
+
+class StaleCacheError(RuntimeError):
+    """A cached plan or trace, readable, that does not fit the graph it is keyed under."""
 
 
 def default_cache_dir() -> str:
@@ -60,6 +73,7 @@ class PlanCache:
             _warn(f"cannot use the plan cache {folder} ({error}); planning without a cache "
                   "(set options={'cache_dir': ...} or HILORE_CACHE_DIR to a writable folder)")
             return cls(None, key, options, trace_key)
+        remove_stale_tmp(folder)
         return cls(folder, key, options, trace_key)
 
     @property
@@ -84,12 +98,9 @@ class PlanCache:
         try:
             record = load(path)
         except (FormatError, OSError, ValueError) as error:
-            aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-            try:
-                path.replace(aside)
-                _warn(f"the cached {what} {path} is unreadable ({error}); moved it to {aside} and {instead}")
-            except OSError:
-                _warn(f"the cached {what} {path} is unreadable ({error}); {instead}")
+            where = _move_aside(path, "corrupt")
+            _warn(f"the cached {what} {path} is unreadable ({error}); " + (
+                f"moved it to {where} and {instead}" if where else instead))
             return None
         from .planning import say
 
@@ -108,10 +119,7 @@ class PlanCache:
     def load_plans(self) -> tuple[Plan, ...]:
         """The cached plans of every length bucket (shortest first), or () if any is missing or unreadable."""
         plans = []
-        for index in itertools.count():
-            path = self._length_path(index)
-            if path is None or not path.exists():
-                break
+        for path in self._plan_paths():
             plan = self._load(path, load_plan, "plan", "re-planning")
             if plan is None:
                 return ()
@@ -131,6 +139,22 @@ class PlanCache:
             path.unlink(missing_ok=True)
         return where
 
+    def discard(self, error: BaseException) -> None:
+        """Move this key's plans and trace aside: readable, but they do not fit the graph (``error``)."""
+        paths = [*self._plan_paths(), *[p for p in (self.trace_path,) if p is not None and p.exists()]]
+        moved = [str(where) for where in (_move_aside(p, "mismatch") for p in paths) if where]
+        _warn(f"the cached plan does not fit this graph ({error}); " + (
+            f"moved {', '.join(moved)} aside and planning it afresh" if moved else "planning it afresh"))
+
+    def _plan_paths(self) -> list[Path]:
+        """The plan files of every length bucket that exist, shortest first."""
+        paths = []
+        for index in itertools.count():
+            path = self._length_path(index)
+            if path is None or not path.exists():
+                return paths
+            paths.append(path)
+
     def save_trace(self, trace: Trace) -> Path | None:
         return self._save(trace, self.trace_path)
 
@@ -143,3 +167,27 @@ class PlanCache:
             _warn(f"could not write {path} ({error}); continuing without caching it")
             self.folder = None
             return None
+
+
+def _move_aside(path: Path, reason: str) -> Path | None:
+    """Rename ``path`` to ``<path>.<reason>-<time>`` (kept for the user to look at); None if it cannot be."""
+    aside = path.with_name(f"{path.name}.{reason}-{int(time.time())}")
+    try:
+        path.replace(aside)
+    except OSError:
+        return None
+    return aside
+
+
+def remove_stale_tmp(folder: Path) -> list[Path]:
+    """Remove writers' temporary files older than ``STALE_TMP_S`` from ``folder``; returns those removed."""
+    removed = []
+    now = time.time()
+    for tmp in folder.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:  # another process removed it first, or it is not ours to remove
+            continue
+    return removed

@@ -25,6 +25,7 @@ from ..passes.apply import PlanMismatchError
 from ..passes.capture import light_copy
 from ..planfile import Plan
 from .matching import default_bucket
+from .cache import StaleCacheError
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
 from .planning import GraphPlanner, fall_back
@@ -80,8 +81,7 @@ class HiLoReBackend:
                 f"torch {torch.__version__} has no custom partitioner hook (hilore needs torch >= 2.9)"), "every graph")
             return _compile_variant(gm, example_inputs, None)
         try:
-            planner = GraphPlanner(gm, example_inputs, self.options)
-            return self._compile(planner, gm, example_inputs)
+            return self._plan_and_compile(gm, example_inputs)
         except (PlanMismatchError, FormatError):
             raise  # a plan the user gave that does not fit: their input, their error
         except Exception as error:  # planning never stops training: see fall_back
@@ -90,6 +90,19 @@ class HiLoReBackend:
             fall_back(self.options, RuntimeError(f"compiling with the plan failed ({type(error).__name__}: "
                                                  f"{error})"), "this graph")
             return _compile_variant(gm, example_inputs, None)
+
+    def _plan_and_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Plan and compile; a cached plan or trace that does not fit the graph is moved
+        aside (said once) and the graph planned afresh: nothing in the cache stops training."""
+        planner = GraphPlanner(gm, example_inputs, self.options)
+        try:
+            return self._compile(planner, gm, example_inputs)
+        except Exception as error:
+            stale = _cause(error, StaleCacheError)
+            if stale is None or planner.cache is None:
+                raise
+            planner.cache.discard(stale)
+        return self._compile(GraphPlanner(gm, example_inputs, self.options), gm, example_inputs)
 
     def _compile(self, planner: GraphPlanner, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -111,6 +124,14 @@ class HiLoReBackend:
         compiled.compile_seconds = time.perf_counter() - start
         self.graphs.append(compiled)
         return table.dispatcher()
+
+
+def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The ``kind`` exception in ``error``'s chain of causes (Inductor may wrap it), or None."""
+    seen: BaseException | None = error
+    while seen is not None and not isinstance(seen, kind):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 def _is_dynamo_control_flow(error: Exception) -> bool:

@@ -24,7 +24,7 @@ from ..passes.apply import PlanMismatchError
 from ..passes.capture import GraphCapture, capture_joint, lifted_args
 from ..planfile import Plan, load_plan
 from ..tracefile import Trace, load_trace
-from .cache import PlanCache
+from .cache import PlanCache, StaleCacheError
 # cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
 from .cachekey import cache_key, trace_key  # noqa: F401
 from .matching import GraphDecisions, match_plan
@@ -194,6 +194,9 @@ class GraphPlanner:
             self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options,
                                         trace_key=trace_key(gm, example_inputs, options))
             self.plans = self.cache.load_plans()
+        #: Whether the plans (or the trace they are solved from) came from the
+        #: cache: then a mismatch with the graph is a stale entry, not an error.
+        self.from_cache = self.cache is not None and bool(self.plans)
 
     @property
     def plan(self) -> Plan | None:
@@ -261,7 +264,14 @@ class GraphPlanner:
         plan = plan or self.plan
         if plan is None:
             return units, GraphDecisions.none()
-        decisions = match_plan(plan, bucket, units, self.batch, self.seq_len)
+        try:
+            decisions = match_plan(plan, bucket, units, self.batch, self.seq_len)
+            if self.from_cache and (decisions.unknown or decisions.missing):
+                raise PlanMismatchError(decisions.mismatch_message())
+        except PlanMismatchError as error:
+            if self.from_cache:  # the cache's fault, not the user's: ``HiLoReBackend`` plans afresh
+                raise StaleCacheError(str(error)) from error
+            raise
         if decisions.unknown or decisions.missing:
             fall_back(self.options, PlanMismatchError(decisions.mismatch_message()),
                       f"{len(decisions.missing)} unit(s) of this graph without a decision")
@@ -273,6 +283,7 @@ class GraphPlanner:
         try:
             name = f"graph-{self.cache.key[:8]}" if self.cache else "graph"
             self.trace = self.cache.load_trace() if self.cache else None
+            self.from_cache = self.trace is not None
             if self.trace is None:
                 # Profiling runs real tensors: Inductor's fake mode must be off.
                 with unset_fake_temporarily():

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .. import codecs as codec_registry
 from .costmodel import DeviceSpec, device_spec, op_seconds
 from ..sizeexpr import format_size
+from ..vocabulary import DEFAULT_CODECS
 from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
 from .codec_timing import codec_seconds_per_byte
@@ -44,7 +45,8 @@ class ProfileConfig:
     warmup: int = 1
     #: Timed runs; the median is kept because 2 shared cores are noisy.
     repeats: int = 5
-    codecs: tuple[str, ...] = ("bf16", "int8", "fp8")
+    #: The codecs profiled: the backend's and every command's default (``vocabulary``).
+    codecs: tuple[str, ...] = DEFAULT_CODECS
     batch: int = 1
     seq_len: int = 1
 

@@ -26,7 +26,7 @@ from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
-from ..vocabulary import group_of
+from ..vocabulary import DEFAULT_CODECS, group_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,7 +35,8 @@ class TraceConfig:
 
     #: ``"measured"`` or ``"roofline:h100"`` / ``"roofline:h200"`` / ``"roofline:a100"``.
     cost_model: str = "measured"
-    codecs: tuple[str, ...] = ("bf16", "int8", "fp8")
+    #: The codecs profiled: the backend's and every command's default (``vocabulary``).
+    codecs: tuple[str, ...] = DEFAULT_CODECS
     warmup: int = 1
     repeats: int = 5
     #: Name recorded in the trace (e.g. the built-in model's name).

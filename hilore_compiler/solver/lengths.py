@@ -206,9 +206,9 @@ def solve_length_buckets(trace: Trace | str | os.PathLike, seq_range: tuple[int,
     if max_buckets <= 1 or len(grid) < 3:
         return (solve_range(trace, seq_range, budget, length_mix=length_mix, progress=progress, **kwargs),)
     if isinstance(trace, (str, os.PathLike)):
-        from ..tracefile import load_trace
+        from .limits import PlanningLimits, load_bounded
 
-        trace = load_trace(trace)
+        trace = load_bounded(trace, PlanningLimits())
     weights = length_weights(grid, length_mix)
     pricing = {**kwargs, "buckets": [("b0", 0.0, math.inf, 1.0)]}
     priced: dict[tuple[int, int], Plan | None] = {}

@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
-from ..tracefile import Trace, load_trace
+from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, check_codecs
 from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc
+from .limits import Deadline, PlanningLimits, check_units, load_bounded
 from .ilp import BucketWeight, expected_time_s
 from .solving import blind_min_time, solve_min_memory, solve_min_time
 from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
@@ -80,12 +81,15 @@ def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[st
 
 def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | None,
             batch: int | None, seq_len: int | None, loss_ratio: float = 0.0,
-            accumulate_gradients: bool = False) -> tuple[Trace, CostModel]:
-    """Load the trace if given a path and evaluate its costs at the planned shape."""
+            accumulate_gradients: bool = False, limits: PlanningLimits | None = None) -> tuple[Trace, CostModel]:
+    """Load the trace if given a path and evaluate its costs at the planned shape; a trace
+    with more units than ``limits.max_units`` is refused before either."""
+    limits = limits or PlanningLimits()
     if isinstance(trace, (str, os.PathLike)):
-        trace = load_trace(trace)
+        trace = load_bounded(trace, limits)
     if not isinstance(trace, Trace):
         raise TypeError(f"solve() needs a Trace or a trace file path, got {type(trace).__name__}")
+    check_units(len(trace.units), f"the trace of {trace.model}", limits)
     batch = trace.batch if batch is None else batch
     seq_len = trace.seq_len if seq_len is None else seq_len
     for name, value in (("batch", batch), ("seq_len", seq_len)):
@@ -184,7 +188,8 @@ def least_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_budg
 
 def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_text: str,
                   budget_bytes: int, risk_budget: float, options: SolverOptions, gc_bytes: int | None = None,
-                  headroom: float = 0.0) -> tuple[dict[str, dict[str, str]], SolverStats, str | None]:
+                  headroom: float = 0.0, deadline: Deadline | None = None,
+                  ) -> tuple[dict[str, dict[str, str]], SolverStats, str | None]:
     """The joint plans (``{bucket: {unit: option}}``), checked, the blind plan's in every
     bucket where distinct ones do not pay (``buckets_that_pay``), with that note or None;
     InfeasibleBudgetError if none fit.
@@ -192,18 +197,24 @@ def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_t
     ``gc_bytes``: the GC peak ``x-gc`` budgets are relative to (default: the
     model's prediction). ``headroom``: the share of ``budget_bytes`` the
     predictions keep free (``MEASURED_CEILING_HEADROOM``); an infeasible
-    budget's smallest feasible one includes it.
+    budget's smallest feasible one includes it. ``deadline``: the end of every
+    ILP build and CBC run here (``limits``); each phase's runs share the time left.
     """
     ceiling = math.floor(budget_bytes * (1 - headroom))
-    least = least_memory(model, weights=weights, risk_budget=risk_budget, options=options)
+    deadline = deadline or Deadline(PlanningLimits().total_time_s)
+    # A phase runs each bucket alone, then maybe jointly and the blind plan.
+    runs = 2 * len(weights) + 2
+    deadline.check("the min-memory ILP")
+    least = least_memory(model, weights=weights, risk_budget=risk_budget, options=deadline.share(options, 2 * runs))
     fits = least.memory_bytes <= ceiling
     infeasible = dict(model=model, budget_text=budget_text, budget_bytes=budget_bytes,
                       risk_budget=risk_budget, need=math.ceil(least.memory_bytes / (1 - headroom)),
                       bucket=least.bucket, gc_bytes=model.gc_bytes if gc_bytes is None else gc_bytes)
     if not fits and least.proven:
         raise _infeasible(**infeasible)
+    deadline.check("the min-time ILP")
     result = solve_min_time(model, budget_bytes=ceiling, weights=weights, risk_budget=risk_budget,
-                            options=options, start=least.decisions if fits else None)
+                            options=deadline.share(options, runs), start=least.decisions if fits else None)
     if result is None:
         raise _infeasible(**infeasible)
     plans = {name: dict(d) for name, d in result.decisions.items()}
@@ -213,8 +224,10 @@ def solve_buckets(model: CostModel, weights: Sequence[BucketWeight], *, budget_t
     # One solve for all buckets: each bucket reports the joint problem's stats.
     stats = SolverStats(status=result.status, seconds=least.seconds + result.seconds,
                         objective=result.objective, gap=result.gap)
+    if result.blind is None and deadline.remaining() <= 0:
+        return plans, stats, None  # no time left to solve the blind plan that buckets are weighed against
     plans, collapsed = buckets_that_pay(model, weights, plans, budget_bytes=ceiling, risk_budget=risk_budget,
-                                        options=options, blind=result.blind)
+                                        options=deadline.share(options, 1), blind=result.blind)
     return plans, stats, collapsed
 
 
@@ -322,7 +335,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
           gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
           accumulate_gradients: bool = False, options: SolverOptions | None = None,
-          progress: Progress | None = None) -> Plan:
+          progress: Progress | None = None, limits: PlanningLimits | None = None) -> Plan:
     """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
     ``budget``: ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
@@ -342,19 +355,21 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     ``seq_len``: plan for another shape than traced. ``accumulate_gradients``:
     the graph runs one microbatch of an update that sums gradients over
     several (``grpo.actor_update``), so every weight's gradient is alive
-    through all of it, GC's reference peak included.
+    through all of it, GC's reference peak included. ``limits``: the most units
+    and the total ILP time (``limits.PlanningLimits``; default 20,000 units, 120 s).
     """
     check_cbc()
     error2 = parse_risk_budget(risk_budget)
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio,
-                           accumulate_gradients=accumulate_gradients)
+                           accumulate_gradients=accumulate_gradients, limits=limits)
     parsed = parse_budget(budget)
     check_gc_peak(gc_peak_bytes)
     budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     return plan_model(trace, model, budget=parsed, budget_bytes=budget_bytes, risk_budget=error2,
                       buckets=buckets, exposure_mix=exposure_mix, gradient_exposures=gradient_exposures,
                       loss_ratio=loss_ratio, gc_peak_bytes=gc_peak_bytes,
-                      accumulate_gradients=accumulate_gradients, options=options, progress=progress)
+                      accumulate_gradients=accumulate_gradients, options=options, progress=progress,
+                      limits=limits)
 
 
 def check_gc_peak(gc_peak_bytes: int | None) -> None:
@@ -365,8 +380,13 @@ def check_gc_peak(gc_peak_bytes: int | None) -> None:
 def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: int, risk_budget: float,
                buckets: int | Sequence[BucketSpec | tuple], exposure_mix: Sequence[float] | str | os.PathLike | None,
                gradient_exposures: Sequence[float] | None, loss_ratio: float, gc_peak_bytes: int | None,
-               accumulate_gradients: bool, options: SolverOptions | None, progress: Progress | None) -> Plan:
-    """``solve`` on an evaluated cost model, under ``budget_bytes``; ``risk_budget`` parsed."""
+               accumulate_gradients: bool, options: SolverOptions | None, progress: Progress | None,
+               limits: PlanningLimits | None = None) -> Plan:
+    """``solve`` on an evaluated cost model, under ``budget_bytes``; ``risk_budget`` parsed.
+    Every ILP build and CBC run here shares ``limits.total_time_s``."""
+    limits = limits or PlanningLimits()
+    check_units(len(model.units), f"the trace of {trace.model}", limits)
+    deadline = Deadline(limits.total_time_s)
     options = options or SolverOptions()
     say = progress or (lambda _msg: None)
     error2 = risk_budget
@@ -382,7 +402,7 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
     headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
     plans, stats, collapsed = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
                                             risk_budget=error2, options=options, gc_bytes=gc_peak_bytes,
-                                            headroom=headroom)
+                                            headroom=headroom, deadline=deadline)
     if collapsed:
         say(collapsed)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]

@@ -1,0 +1,48 @@
+"""Planning is bounded: too many recovery units are refused at once, and one plan's ILPs share a deadline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hilore_compiler import cli
+from hilore_compiler.solver import SolverOptions, solve
+from hilore_compiler.solver.limits import (MAX_UNITS, Deadline, PlanningLimits, PlanningTimeoutError,
+                                           TooManyUnitsError)
+from hilore_compiler.solver.synthetic import random_trace
+from hilore_compiler.tracefile import TRACE_SCHEMA
+
+
+def test_a_trace_with_more_units_than_the_limit_is_refused_naming_the_limit():
+    with pytest.raises(TooManyUnitsError, match=r"has 12 recovery units, more than the 10 one plan is made for"):
+        solve(random_trace(0, num_units=12), "1.0x-store", limits=PlanningLimits(max_units=10))
+
+
+def test_hilore_plan_refuses_an_oversized_trace_before_reading_its_units(tmp_path, capsys):
+    # The units are not even valid: the count alone refuses the file, before
+    # 100,000 sizes would be parsed and checked (about 40 s on its own).
+    path = tmp_path / "huge.trace.json"
+    path.write_text(json.dumps({"schema": TRACE_SCHEMA, "units": [{}] * (MAX_UNITS + 1)}))
+    assert cli.main(["plan", str(path), "-o", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"has {MAX_UNITS + 1} recovery units, more than the {MAX_UNITS}" in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_plan_past_its_total_time_limit_stops_with_a_clear_error():
+    with pytest.raises(PlanningTimeoutError, match=r"ran past its 1e-09 s limit before the min-memory ILP"):
+        solve(random_trace(0, num_units=6), "1.0x-store", buckets=1, limits=PlanningLimits(total_time_s=1e-9))
+
+
+def test_cbc_runs_share_the_time_left():
+    options = SolverOptions(time_limit_s=4.0)
+    assert Deadline(10.0).share(options, 5).time_limit_s == pytest.approx(2.0, abs=0.05)
+    assert Deadline(100.0).share(options, 5).time_limit_s == 4.0  # never more than asked
+    assert Deadline(0.0).share(options, 5).time_limit_s == 1.0  # never less than MIN_CBC_S
+
+
+@pytest.mark.parametrize("bad", [{"max_units": 0}, {"total_time_s": -1.0}])
+def test_limits_are_checked(bad):
+    with pytest.raises(ValueError):
+        PlanningLimits(**bad)

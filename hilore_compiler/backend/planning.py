@@ -11,6 +11,7 @@ the next process starts from the plan (``PlanCache``). A given plan is matched t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Sequence
@@ -77,10 +78,19 @@ def planned_range(options: BackendOptions, seq_len: int, seen: tuple[int, int] |
         if seq_len < lo:
             lo = 1 << (seq_len.bit_length() - 1)
     if options.min_seq_len is not None:
-        lo = min(options.min_seq_len, seq_len)
+        lo = min(options.min_seq_len, lo)
     if options.max_seq_len is not None:
-        hi = max(options.max_seq_len, seq_len)
+        hi = max(options.max_seq_len, hi)  # a longer call widens it as above: planned, and said
     return lo, max(lo, hi)
+
+
+def beyond_range(options: BackendOptions, seq_len: int) -> str | None:
+    """What to say of a call longer than ``options.max_seq_len`` (planned all the same), or None."""
+    limit = options.max_seq_len
+    if limit is None or seq_len <= limit:
+        return None
+    return (f"hilore: a call of sequence length {seq_len} is beyond max_seq_len {limit}; it is planned "
+            "(the memory ceiling checked at its length), but raise max_seq_len to plan such lengths from the start")
 
 
 def say(options: BackendOptions, message: str) -> None:
@@ -178,7 +188,12 @@ class GraphPlanner:
         self.batch, self.seq_len = shape_at(example_inputs, self.slot)
         #: The batch and lengths the plans hold for.
         self.planned_batch = self.batch
-        self.seq_range = planned_range(options, self.seq_len) if self.dynamic else (self.seq_len, self.seq_len)
+        # Zero-config plans hold over the options' lengths, static graphs' too: one
+        # graph per length then gets the decisions of one range plan, checked at its longest.
+        given_static = options.plan is not None and not self.dynamic
+        self.seq_range = (self.seq_len, self.seq_len) if given_static else planned_range(options, self.seq_len)
+        self._said_beyond = False
+        self._say_beyond(self.seq_len)
         self.plans: tuple[Plan, ...] = ()
         self.trace: Trace | None = None
         #: False once planning failed or found nothing: Inductor then decides.
@@ -224,10 +239,18 @@ class GraphPlanner:
             return False
         self.planned_batch = max(batch, self.planned_batch)
         self.seq_range = planned_range(self.options, seq_len, self.seq_range)
+        self._say_beyond(seq_len)
         say(self.options, "re-solving for batch {} and sequences {} to {} from the trace".format(
             self.planned_batch, *self.seq_range))
         self.plans = solve_lengths(self.trace, self.options, self.planned_batch, self.seq_range)
         return True
+
+    def _say_beyond(self, seq_len: int) -> None:
+        """Warn, once per graph, that a call is longer than ``max_seq_len``."""
+        message = beyond_range(self.options, seq_len)
+        if message and not self._said_beyond:
+            self._said_beyond = True
+            warnings.warn(message, HiLoReWarning, stacklevel=4)
 
     def keep_plans(self, batch: int, seq_len: int) -> None:
         """Let the plans stand for this shape too, so that later calls stop asking to re-solve."""
@@ -294,7 +317,9 @@ class GraphPlanner:
                 self.planning = False
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
-            self.plans = solve_lengths(self.trace, options, self.batch, self.seq_range)
+            # A static graph runs one length: one range plan, not length buckets.
+            solving = options if self.dynamic else dataclasses.replace(options, length_buckets=1)
+            self.plans = solve_lengths(self.trace, solving, self.batch, self.seq_range)
         except Exception as error:  # planning never stops training: see fall_back
             if options.strict:
                 raise
@@ -303,7 +328,7 @@ class GraphPlanner:
                       "every unit")
             return
         where = self.cache.save_plans(self.plans) if self.cache else None
-        lengths = "" if not self.dynamic else " for sequences {} to {}".format(*self.seq_range) + (
+        lengths = "" if self.seq_range[0] == self.seq_range[1] else " for sequences {} to {}".format(*self.seq_range) + (
             f" in {len(self.plans)} length buckets" if len(self.plans) > 1 else "")
         say(options, f"traced {len(self.trace.units)} recovery units and solved a {options.memory_budget} "
                      f"plan with {len(self.plans[0].buckets)} buckets{lengths}"

@@ -1,10 +1,12 @@
 """The baselines issue #38 added: the fixed checkpointing ones, torchtitan's op- and layer-level
 selective AC and GC with int8 checkpoints (``bench/checkpointing.py``), compiled as
-``prepare_method`` compiles them; and the budgeted ``int8-recompute``."""
+``prepare_method`` compiles them; the budgeted ``int8-recompute``; and issue #53's planners
+that ship with PyTorch (``bench/peers.py``), searched over their knob."""
 
 from __future__ import annotations
 
 import collections
+import importlib.util
 import types
 
 import pytest
@@ -21,6 +23,7 @@ from hilore_compiler.bench.checkpointing import (
     wrap_layers_int8,
 )
 from hilore_compiler.bench.frontier import BUDGETED
+from hilore_compiler.bench.peers import SEARCHED, hidden_state_mb, probe_grid
 from hilore_compiler.bench.methods import (
     DEFAULT_METHODS,
     LABELS,
@@ -72,9 +75,9 @@ def test_op_policy_recomputes_every_second_mm_counting_each_pass_apart():
     assert dict(meta) == {"forward_mm_count": 5, "recompute_mm_count": 5}
 
 
-def _aot_graphs(method: str) -> dict:
-    """``method`` compiled with AOTAutograd and Inductor's partitioner, no Inductor: its
-    partitioned graphs, dynamo graph count and graph breaks after one step."""
+def _aot_graphs(method: str, options: MethodOptions | None = None) -> dict:
+    """``method`` compiled with AOTAutograd and Inductor's partitioner, no Inductor, under the
+    method's config patch: its partitioned graphs, dynamo graph count and graph breaks after one step."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
@@ -92,8 +95,9 @@ def _aot_graphs(method: str) -> dict:
     counters.clear()
     model = build_model("tiny", seed=0)
     # The method's wrapping, with the AOTAutograd backend instead of Inductor.
-    prepare_method(method, model, MethodOptions())
-    actor_step(torch.compile(model, backend=backend), _data(), GRPOConfig())
+    prepared = prepare_method(method, model, options or MethodOptions())
+    with prepared.compile_context():
+        actor_step(torch.compile(model, backend=backend), _data(), GRPOConfig())
     return {**graphs, "dynamo_graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(counters["graph_break"].values())}
 
@@ -255,3 +259,145 @@ def test_int8_recompute_mixes_int8_and_recompute_where_int8_alone_does_not_fit()
     assert decisions <= {"store", "compress:int8", "recompute"}
     assert {"compress:int8", "recompute"} <= decisions
     assert plan.bucket("b0").memory_bytes <= 0.9 * all_int8.memory_bytes
+
+
+# --- the planners that ship with PyTorch (bench/peers.py) ---------------------------
+
+def _saved(gms) -> list[torch.Tensor]:
+    """What the backward graphs read from the forward: their tensor inputs' fake values."""
+    return [n.meta["val"] for gm in gms for n in gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _saved_bytes(gms) -> int:
+    return sum(t.numel() * t.element_size() for t in _saved(gms))
+
+
+def test_the_peers_are_searched_methods_run_only_by_name():
+    assert set(SEARCHED) == {"pt-budget", "pt-budget-greedy", "pt-budget-ilp", "pt-budget-knee",
+                             "pt-budget-profile", "inductor-fp8"}
+    assert all(m in METHODS and m in LABELS and m in BUDGETED for m in SEARCHED)
+    assert [m for m in SEARCHED if m in DEFAULT_METHODS] == ["pt-budget"]
+
+
+def test_probe_grids_are_budgets_and_fp8_size_thresholds_in_hidden_states():
+    assert probe_grid("pt-budget-greedy", 4, unit_mb=9.0) == [0.125, 0.375, 0.625, 0.875]
+    unit = hidden_state_mb("small", 2, 2048, "float32")
+    assert unit == 2 * 2048 * 256 * 4 / 2**20 == 4.0  # one (B, T, C) fp32 activation of small
+    assert probe_grid("inductor-fp8", 4, unit) == [1.0, 3.0, 6.0]
+    assert hidden_state_mb("small", 2, 2048, "bfloat16") == 2.0
+    with pytest.raises(ValueError, match="not a searched method"):
+        probe_grid("gc", 4, unit)
+
+
+@pytest.mark.parametrize("method, solver", [("pt-budget-greedy", "greedy"), ("pt-budget-knee",
+                                                                            "dynamic_memory_budget_dp")])
+def test_budget_variants_patch_their_solver_and_bypass_autograd_cache_only_while_compiling(method, solver):
+    import torch._functorch.config as functorch_config
+
+    prepared = prepare_method(method, build_model("tiny", seed=0), MethodOptions(activation_memory_budget=0.3))
+    with prepared.compile_context():
+        assert functorch_config.activation_memory_budget == 0.3
+        assert functorch_config.activation_memory_budget_solver == solver
+        assert functorch_config.activation_memory_budget_runtime_estimator == "flops"
+        # Solver and estimator are not in AOTAutograd's cache key: a cached
+        # pt-budget partition at the same budget would be served otherwise.
+        assert not functorch_config.enable_autograd_cache
+    assert functorch_config.activation_memory_budget_solver == "dp"
+    assert functorch_config.activation_memory_budget == 1.0
+
+
+def test_methods_that_cannot_run_here_say_why_before_compiling():
+    options = MethodOptions(activation_memory_budget=0.3)
+    with pytest.raises(ValueError, match="CUDA only.*benchmark_gpu"):
+        prepare_method("pt-budget-profile", build_model("tiny", seed=0), options)
+    if importlib.util.find_spec("scipy") is None:
+        with pytest.raises(ValueError, match="needs scipy"):
+            prepare_method("pt-budget-ilp", build_model("tiny", seed=0), options)
+    with pytest.raises(ValueError, match="fp8_size_mb"):
+        prepare_method("inductor-fp8", build_model("tiny", seed=0), MethodOptions())
+
+
+@pytest.mark.parametrize("method", ["pt-budget", "pt-budget-greedy", "pt-budget-knee"])
+def test_budget_methods_save_less_and_recompute_matmuls_at_a_low_budget(method):
+    exact = _aot_graphs("store-all")
+    low = _aot_graphs(method, MethodOptions(activation_memory_budget=0.125))
+    assert _saved_bytes(low["bw"]) < 0.8 * _saved_bytes(exact["bw"])
+    assert _mms(low["bw"]) > _mms(exact["bw"])  # matmuls recomputed in backward
+    assert (low["dynamo_graphs"], low["graph_breaks"]) == (1, 0)
+
+
+def test_inductor_fp8_keeps_activations_above_its_threshold_in_float8():
+    exact = _aot_graphs("store-all")
+    every = _aot_graphs("inductor-fp8", MethodOptions(fp8_size_mb=0.0))
+    # tiny at (B, T) = (2, 16): a (B, T, C) fp32 activation is 8 KiB, the MLP's (B, T, 128) 16 KiB.
+    mlp_only = _aot_graphs("inductor-fp8", MethodOptions(fp8_size_mb=12 / 1024))
+    fp8 = {name: [t for t in _saved(run["bw"]) if t.dtype == torch.float8_e5m2]
+           for name, run in (("every", every), ("mlp_only", mlp_only))}
+    # Three (B*T, 128) MLP values per layer (gate, up, the product); at threshold 0 also the
+    # attention's and the norms' values and their row statistics.
+    assert [tuple(t.shape) for t in fp8["mlp_only"]] == [(B * T, 128)] * 3 * 2
+    assert len(fp8["every"]) > len(fp8["mlp_only"])
+    assert (B, T, 1) in {tuple(t.shape) for t in fp8["every"]}
+    assert not any(t.dtype == torch.float8_e5m2 for t in _saved(exact["bw"]))
+    assert _saved_bytes(every["bw"]) < _saved_bytes(mlp_only["bw"]) < _saved_bytes(exact["bw"])
+    assert _mms(every["bw"]) == _mms(exact["bw"])  # it compresses; it recomputes nothing more
+
+
+def test_a_probe_that_fails_to_compile_stops_the_frontier_grid():
+    from types import SimpleNamespace
+
+    from hilore_compiler.bench.frontier import FAILED, _searched_points
+    from hilore_compiler.bench.rounds import MethodRun
+    from hilore_compiler.bench.runner import BenchConfig
+
+    started = []
+
+    def start(method, tag="", budget=None, **_):
+        started.append(budget)
+        return MethodRun(method=method, name=method + tag, status="failed", error="CUDA only",
+                         worker_config=SimpleNamespace(options=MethodOptions(activation_memory_budget=budget)))
+
+    launcher = SimpleNamespace(config=BenchConfig(model="tiny", ceilings=(1.0, 1.5), budget_probes=4),
+                               gc_peaks={"gc": 100_000_000}, start=start)
+    runs: dict = {}
+    points, probes = _searched_points(launcher, runs, "pt-budget-profile", progress=lambda m: None)
+    assert started == [0.125] and len(probes) == 1 and probes[0].method == "pt-budget-profile"
+    assert [p.status for p in points] == [FAILED, FAILED]
+    assert list(runs) == ["pt-budget-profile@0.125"]  # kept: its log says why
+
+
+@pytest.fixture(scope="module")
+def compiled_peers():
+    """Store-all's eager gradient and two peers' compiled by ``prepare_method`` with Inductor."""
+    from torch._dynamo.utils import counters
+
+    data = _data()
+    reference = build_model("tiny", seed=0)
+    actor_step(reference, data, GRPOConfig())
+    out = {"store-all": {"grad": flat_grad(reference)}}
+    for method, options in (("pt-budget-greedy", MethodOptions(activation_memory_budget=0.125)),
+                            ("inductor-fp8", MethodOptions(fp8_size_mb=0.0))):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model("tiny", seed=0)
+        prepared = prepare_method(method, model, options)
+        with prepared.compile_context():
+            actor_step(prepared.policy, data, GRPOConfig())
+        out[method] = {"grad": flat_grad(model), "inductor": dict(counters["inductor"])}
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_budget_variant_recomputes_exactly(compiled_peers):
+    assert torch.allclose(compiled_peers["pt-budget-greedy"]["grad"], compiled_peers["store-all"]["grad"],
+                          rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_inductor_fp8_quantizes_in_both_graphs_and_is_close_not_equal(compiled_peers):
+    run, exact = compiled_peers["inductor-fp8"], compiled_peers["store-all"]["grad"]
+    assert run["inductor"]["activation_quantization_fwd_aten_pass"] == 1
+    assert run["inductor"]["activation_quantization_bwd_aten_pass"] == 1
+    assert torch.cosine_similarity(run["grad"], exact, dim=0) > 0.9  # e5m2: 2 mantissa bits
+    assert not torch.equal(run["grad"], exact)

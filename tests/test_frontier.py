@@ -13,7 +13,7 @@ from hilore_compiler.bench.frontier import (
     FrontierRun,
     Point,
     _planned_point,
-    _pt_budget_points,
+    _searched_points,
     measure_order,
     same_plan_run,
 )
@@ -146,7 +146,7 @@ class _ProbeLauncher:
 
 def test_pt_budget_probes_compile_once_and_each_ceiling_keeps_the_fastest_that_fits():
     runs: dict[str, MethodRun] = {}
-    points, probes = _pt_budget_points(_ProbeLauncher((1.1, 1.5, 2.0)), runs, progress=lambda m: None)
+    points, probes = _searched_points(_ProbeLauncher((1.1, 1.5, 2.0)), runs, "pt-budget", progress=lambda m: None)
     assert len(probes) == 4
     by = {p.ceiling: p for p in points}
     assert by[1.1].status == DOES_NOT_FIT and "smallest measured peak is 122.5 MB" in by[1.1].note

@@ -19,9 +19,10 @@ budgeted methods are planned or searched at each ceiling:
   same compiled step) is not measured again: its point names the run that
   measured it. At a ceiling at or above store-all's measured peak the
   eager-loss methods are store-all's point, not planned at all.
-- ``pt-budget``: the grid of ``activation_memory_budget`` probes
-  (``search.grid``) is compiled once; at each ceiling the fastest probe whose
-  measured peak fits is its point, and probes chosen at no ceiling are closed.
+- ``pt-budget``, its solver variants and ``inductor-fp8`` (``peers.SEARCHED``):
+  the grid of their knob's probes (``peers.probe_grid``) is compiled once; at
+  each ceiling the fastest probe whose measured peak fits is its point, and
+  probes chosen at no ceiling are closed.
 
 With ``calibrate``, every plan is made from a trace calibrated per unit first
 (``calibrate.py``).
@@ -42,10 +43,11 @@ from .launcher import REFERENCE_GC, SAME_PLAN, Launcher
 from .methods import METHODS, STEP_METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, warm_peak, warm_seconds
 from .runner import BenchConfig, measure_all, new_launcher, predict_baselines
-from .search import Probe, choose, grid
+from .peers import SEARCHED, hidden_state_mb, knob_name, probe_grid
+from .search import Probe, choose
 
-#: Methods planned (or, pt-budget, searched) at each ceiling; the others are placed where they fall.
-BUDGETED = ("hilore", "hilore-blind", "int8-recompute", "pt-budget", "hilore-step")
+#: Methods planned (or searched, ``peers.SEARCHED``) at each ceiling; the others are placed where they fall.
+BUDGETED = ("hilore", "hilore-blind", "int8-recompute", *SEARCHED, "hilore-step")
 
 #: How many times a planned point whose measured peak is over its ceiling is planned again.
 REFITS = 2
@@ -87,7 +89,7 @@ class FrontierRun:
     points: tuple[Point, ...]
     #: Measured peaks of the GC methods the ceilings are multiples of (``REFERENCE_GC``).
     gc_peaks: dict[str, int]
-    #: Every pt-budget probe: budget, measured peak, warm-up step seconds.
+    #: Every searched method's probe: method, knob, measured peak, warm-up step seconds.
     probes: tuple[Probe, ...]
     #: Kept when a run failed (its log is there), else None (deleted).
     run_dir: str | None
@@ -108,13 +110,13 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
         for method in (m for m in METHODS if m in config.methods and m not in BUDGETED):
             runs[method] = launcher.start(method)
             points += [Point(method=method, ceiling=c, run=method, status=MEASURED) for c in config.ceilings]
-        planned = [m for m in METHODS if m in config.methods and m in BUDGETED and m != "pt-budget"]
+        planned = [m for m in METHODS if m in config.methods and m in BUDGETED and m not in SEARCHED]
         if config.calibrate and planned:
             calibrate_cached_trace(launcher, planned[0], max(config.ceilings))
         for method in (m for m in METHODS if m in config.methods and m in BUDGETED):
-            if method == "pt-budget":
-                more, probes = _pt_budget_points(launcher, runs, progress)
-                points += more
+            if method in SEARCHED:
+                more, tried = _searched_points(launcher, runs, method, progress)
+                points, probes = points + more, probes + tried
             else:
                 points += [_planned_point(launcher, runs, method, c) for c in config.ceilings]
         predict_baselines({r.method: r for r in reversed(runs.values())})
@@ -222,33 +224,43 @@ def _step_digest(info: dict[str, Any]) -> str | None:
     return info.get("plan", {}).get("bucket_digests", {}).get(info.get("bucket"))
 
 
-def _pt_budget_points(launcher: Launcher, runs: dict[str, MethodRun],
-                      progress: Progress) -> tuple[list[Point], tuple[Probe, ...]]:
-    """Compile every probe of the grid once; at each ceiling keep the fastest that fits
-    (``search.choose`` without slack: the report holds every point to the ceiling itself)."""
-    config, gc_peak = launcher.config, launcher.gc_peaks.get("gc")
+def _probes(launcher: Launcher, method: str, progress: Progress) -> dict[str, MethodRun]:
+    """Compile ``method`` at every knob of its grid, one worker each, by run name; the first
+    probe that fails to compile stops the grid (a failure is not a memory answer)."""
+    config = launcher.config
+    unit = hidden_state_mb(config.model, config.batch, config.seq_len, config.dtype)
     tried: dict[str, MethodRun] = {}
-    for budget in grid(config.budget_probes):
-        run = launcher.start("pt-budget", tag=f"@{budget:g}", budget=budget)
+    for knob in probe_grid(method, config.budget_probes, unit):
+        run = launcher.start(method, tag=f"@{knob:g}", budget=knob)
         tried[run.name] = run
-        if run.status == "ok":
-            progress(f"pt-budget: budget {budget:g} -> peak {warm_peak(run) / 1e6:.1f} MB, "
-                     f"{warm_seconds(run) or 0.0:.3f} s/step")
-    probes = {name: Probe(budget=r.worker_config.options.activation_memory_budget, peak_bytes=warm_peak(r),
+        if run.status != "ok":
+            break
+        progress(f"{method}: {knob_name(method)} {knob:g} -> peak {warm_peak(run) / 1e6:.1f} MB, "
+                 f"{warm_seconds(run) or 0.0:.3f} s/step")
+    return tried
+
+
+def _searched_points(launcher: Launcher, runs: dict[str, MethodRun], method: str,
+                     progress: Progress) -> tuple[list[Point], tuple[Probe, ...]]:
+    """Compile every probe of ``method``'s grid once; at each ceiling keep the fastest that fits
+    (``search.choose`` without slack: the report holds every point to the ceiling itself)."""
+    config, gc_peak, knob = launcher.config, launcher.gc_peaks.get("gc"), knob_name(method)
+    tried = _probes(launcher, method, progress)
+    probes = {name: Probe(method=method, budget=getattr(r.worker_config.options, knob), peak_bytes=warm_peak(r),
                           seconds=warm_seconds(r), error=r.error) for name, r in tried.items()}
     points = []
     for ceiling in config.ceilings:
-        point = {"method": "pt-budget", "ceiling": ceiling}
+        point = {"method": method, "ceiling": ceiling}
         best = choose(list(probes.values()), ceiling * gc_peak, 0.0) if gc_peak else None
         if best is None:
             points.append(Point(**point, run=None, status=FAILED, note="no probe ran"))
         elif best.peak_bytes > ceiling * gc_peak:
             points.append(Point(**point, run=None, status=DOES_NOT_FIT,
                                 note=f"no probe fits: the smallest measured peak is {best.peak_bytes / 1e6:.1f} MB "
-                                     f"(budget {best.budget:g})"))
+                                     f"({knob} {best.budget:g})"))
         else:
             name = next(n for n, p in probes.items() if p is best)
-            points.append(Point(**point, run=name, status=MEASURED, note=f"budget {best.budget:g}, the fastest "
+            points.append(Point(**point, run=name, status=MEASURED, note=f"{knob} {best.budget:g}, the fastest "
                                 f"of {len(probes)} probes that fits"))
     chosen = {p.run for p in points if p.run}
     for name, run in tried.items():

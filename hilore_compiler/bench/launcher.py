@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .measure import StepSample
 from .methods import HILORE_BACKENDS, STEP_METHODS, MethodOptions
+from .peers import SEARCHED, knob_name
 from .process import WorkerError, WorkerProcess, worker_env
 from .rounds import MethodRun, Progress, close_workers, describe, warm_peak
 from .worker import WorkerConfig
@@ -68,7 +69,7 @@ class Launcher:
 
     def start(self, method: str, tag: str = "", budget: float | None = None, *, hilore_budget: str | None = None,
               same_plan: SamePlan | None = None) -> MethodRun:
-        """Spawn ``method``'s worker, compile, warm it up and measure its peak (``run.peaks``);
+        """Spawn ``method``'s worker (``budget``: a searched method's knob, ``peers.knob_name``), compile, warm it up and measure its peak (``run.peaks``);
         a failure is recorded, not raised (with ``info["min_budget_bytes"]`` where a
         plan did not fit). On CPU the worker exits after its peaks:
         ``time`` starts the one the rounds use, except for a method that plans
@@ -80,11 +81,13 @@ class Launcher:
         are closed and the run comes back with status ``SAME_PLAN`` (the
         frontier measures each plan once)."""
         name = method + tag
+        # A searched method's probe: its knob (a memory budget, fp8's size threshold).
+        knob = {knob_name(method): budget} if method in SEARCHED else {}
         grad_path = str(self.run_dir / f"grad-{name}.pt")
         options = MethodOptions(hilore_budget=hilore_budget or self.config.hilore_budget,
                                 hilore_codecs=self.config.hilore_codecs,
                                 hilore_risk_budget=self.config.hilore_risk_budget,
-                                hilore_cache_dir=self.hilore_cache, activation_memory_budget=budget,
+                                hilore_cache_dir=self.hilore_cache, **knob,
                                 gc_peak_bytes=self.gc_peaks.get(REFERENCE_GC.get(method, "")),
                                 step_chunks=self.config.step_chunks)
         config = WorkerConfig(method=method, model=self.config.model, batch=self.config.batch,

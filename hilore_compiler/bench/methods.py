@@ -18,9 +18,11 @@ in what the backward pass gets to keep:
   kept int8 (``checkpointing.Int8Checkpointed``: reentrant-style, the layers
   compiled one by one and the model between them, with a graph break
   around each layer).
-- ``pt-budget``: PyTorch's memory-budget partitioner
-  (``torch._functorch.config.activation_memory_budget``, a knapsack over
-  recompute only); the runner searches the budget so its peak matches HiLoRe's.
+- ``pt-budget`` and its solver variants (``pt-budget-greedy``, ``-ilp``,
+  ``-knee``, ``-profile``), and ``inductor-fp8``: the planners that ship with
+  PyTorch (``peers.py``): plain ``torch.compile`` under the config patch that
+  selects them, their knob (the memory budget, fp8's size threshold) searched
+  by the runner, per ceiling on the frontier.
 - ``uniform-int8``: the hilore backend with a plan that compresses every
   recovery unit int8 can encode and stores the rest: compression without
   exposure or cost awareness.
@@ -60,25 +62,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._functorch.config  # not imported by ``import torch``; holds activation_memory_budget
 from torch import nn
 
 from ..planfile import Plan
 from ..vocabulary import to_plan_exposure
+from . import peers
 from .checkpointing import op_selective_context_fn, selective_context_fn, wrap_layers, wrap_layers_int8
 
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
 METHODS = ("store-all", "gc", "sac", "sac-op", "sac-layer2", "gc-int8", "hilore", "hilore-blind", "uniform-int8",
-           "int8-recompute", "pt-budget", "gc-chunked", "hilore-step")
+           "int8-recompute", *peers.SEARCHED, "gc-chunked", "hilore-step")
 
 #: Methods that run the whole actor step compiled as one graph (``grpo.compiled_step``).
 STEP_METHODS = ("gc-chunked", "hilore-step")
@@ -95,7 +96,7 @@ LABELS = {
     "sac-op": "selective AC (op, torchtitan)",
     "sac-layer2": "selective AC (every 2nd layer)",
     "gc-int8": "GC + int8 checkpoints",
-    "pt-budget": "PT mem-budget",
+    **peers.LABELS,
     "uniform-int8": "uniform int8",
     "int8-recompute": "int8 + recompute",
     "hilore": "HiLoRe",
@@ -136,8 +137,10 @@ class MethodOptions:
     hilore_cache_dir: str = ""
     #: The codec of the ``uniform-int8`` baseline.
     uniform_codec: str = "int8"
-    #: ``activation_memory_budget`` of ``pt-budget`` in [0, 1]; set per worker.
+    #: ``activation_memory_budget`` of ``pt-budget`` and its variants in [0, 1]; set per worker.
     activation_memory_budget: float | None = None
+    #: ``inductor-fp8``'s ``size_in_mb``: saved activations of at least this many MiB go fp8.
+    fp8_size_mb: float | None = None
     #: Print the hilore backend's planning messages (into the worker's log).
     verbose: bool = True
     #: The loss's peak over the logits' bytes (``measure.loss_side``), which
@@ -293,14 +296,13 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, every=2)))
     if name == "gc-int8":
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers_int8(model)))
-    if name == "pt-budget":
-        budget = options.activation_memory_budget
-        if budget is None or not 0.0 <= budget <= 1.0:
-            raise ValueError(f"pt-budget needs activation_memory_budget in [0, 1], got {budget}")
-        # The partitioner reads the budget when the first call compiles; the
-        # patch is per process anyway, as every method runs in its own.
-        patch = functools.partial(torch._functorch.config.patch, activation_memory_budget=budget)
-        return PreparedMethod(name=name, policy=torch.compile(model), compile_context=patch)
+    if name in peers.SEARCHED:
+        # The config patch is read when the first call compiles; it is per
+        # process anyway, as every method runs in its own.
+        knob = getattr(options, peers.knob_name(name))
+        device = next(model.parameters()).device
+        return PreparedMethod(name=name, policy=torch.compile(model),
+                              compile_context=peers.compile_context(name, knob, device))
     if name in HILORE_BACKENDS:
         from ..backend import HiLoReBackend
 

@@ -110,6 +110,8 @@ def method_note(run: MethodRun) -> str:
         return "FAILED: " + (run.error or "").splitlines()[0][:100]
     if "activation_memory_budget" in run.info:
         return f"budget {run.info['activation_memory_budget']:g}"
+    if "fp8_size_mb" in run.info:
+        return f"fp8 from {run.info['fp8_size_mb']:g} MiB"
     if run.info.get("bucket"):
         return f"bucket {run.info['bucket']}"
     return ""

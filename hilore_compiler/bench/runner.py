@@ -27,6 +27,7 @@ from ..models import DTYPES
 from .launcher import Launcher
 from .methods import DEFAULT_METHODS, METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, measure_rounds, warm_peak, warm_seconds
+from .peers import PT_BUDGETS, SEARCHED, hidden_state_mb, knob_name, probe_grid
 from .search import BudgetSearch, search_budget
 
 
@@ -72,7 +73,7 @@ class BenchConfig:
     #: of GC's measured peak, each budgeted method planned or searched at each;
     #: empty: one run at ``hilore_budget``.
     ceilings: tuple[float, ...] = ()
-    #: pt-budget's ``activation_memory_budget``; None: searched to match HiLoRe's peak.
+    #: ``activation_memory_budget`` of pt-budget and its variants; None: searched to match HiLoRe's peak.
     pt_budget: float | None = None
     #: Budgets the pt-budget search tries (``search.grid``), one process (compile) each.
     budget_probes: int = 4
@@ -158,21 +159,26 @@ def budget_target(runs: dict[str, MethodRun], progress: Progress) -> float | Non
     return None
 
 
-def _pt_budget(launcher: Launcher, runs: dict[str, MethodRun],
-               progress: Progress) -> tuple[MethodRun, BudgetSearch | None]:
+def _searched(launcher: Launcher, runs: dict[str, MethodRun], method: str,
+              progress: Progress) -> tuple[MethodRun, BudgetSearch | None]:
+    """A searched method (``peers.SEARCHED``): its knob searched to HiLoRe's peak, or the fixed
+    ``pt_budget`` for the memory-budget ones."""
     config = launcher.config
-    if config.pt_budget is not None:
-        return launcher.start("pt-budget", budget=config.pt_budget), None
+    if config.pt_budget is not None and method in PT_BUDGETS:
+        return launcher.start(method, budget=config.pt_budget), None
+    knobs = probe_grid(method, config.budget_probes,
+                       hidden_state_mb(config.model, config.batch, config.seq_len, config.dtype))
     target = budget_target(runs, progress)
     if target is None:
-        progress("pt-budget: no HiLoRe or GC peak to match; using activation_memory_budget 0.5")
-        return launcher.start("pt-budget", budget=0.5), None
+        knob = 0.5 if method in PT_BUDGETS else knobs[len(knobs) // 2]
+        progress(f"{method}: no HiLoRe or GC peak to match; using {knob_name(method)} {knob:g}")
+        return launcher.start(method, budget=knob), None
 
-    def probe(budget: float) -> MethodRun:
-        return launcher.start("pt-budget", tag=f"@{budget:g}", budget=budget)
+    def probe(knob: float) -> MethodRun:
+        return launcher.start(method, tag=f"@{knob:g}", budget=knob)
 
     return search_budget(probe, warm_peak, warm_seconds, target_bytes=target, probes=config.budget_probes,
-                         progress=progress)
+                         progress=progress, budgets=knobs, method=method)
 
 
 def new_launcher(config: BenchConfig, progress: Progress, prefix: str = "hilore-bench-") -> Launcher:
@@ -190,8 +196,12 @@ def run_bench(config: BenchConfig, progress: Progress) -> BenchRun:
     search = None
     try:
         for method in (m for m in METHODS if m in config.methods):
-            if method == "pt-budget":
-                runs[method], search = _pt_budget(launcher, runs, progress)
+            if method in SEARCHED:
+                runs[method], found = _searched(launcher, runs, method, progress)
+                if method == "pt-budget":
+                    search = found
+                elif found is not None:
+                    runs[method].info["budget_search"] = found.to_json()
             else:
                 runs[method] = launcher.start(method)
         predict_baselines(runs)

@@ -30,6 +30,8 @@ class Probe:
     peak_bytes: float | None
     seconds: float | None = None
     error: str | None = None
+    #: The searched method (``peers.SEARCHED``); ``budget`` is its knob.
+    method: str = "pt-budget"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,9 +73,10 @@ def choose(probes: list[Probe], target_bytes: float, tolerance: float) -> Probe 
 
 def search_budget(probe: Callable[[float], Any], peak_of: Callable[[Any], float | None],
                   seconds_of: Callable[[Any], float | None], *, target_bytes: float, probes: int,
-                  progress: Callable[[str], None],
-                  tolerance: float = DEFAULT_TOLERANCE) -> tuple[Any, BudgetSearch]:
-    """Try the ``grid(probes)`` budgets, one worker process each; return the kept run and the record.
+                  progress: Callable[[str], None], tolerance: float = DEFAULT_TOLERANCE,
+                  budgets: list[float] | None = None, method: str = "pt-budget") -> tuple[Any, BudgetSearch]:
+    """Try the ``grid(probes)`` budgets (or ``budgets``, another searched ``method``'s knob values),
+    one worker process each; return the kept run and the record.
 
     ``probe(budget)`` starts a worker (a ``rounds.MethodRun``), ``peak_of(run)``
     and ``seconds_of(run)`` are its measured peak and step seconds, None if it
@@ -82,22 +85,22 @@ def search_budget(probe: Callable[[float], Any], peak_of: Callable[[Any], float 
     """
     tried: list[tuple[Probe, Any]] = []
     best: Probe | None = None
-    for budget in grid(probes):
+    for budget in grid(probes) if budgets is None else budgets:
         run = probe(budget)
         peak = peak_of(run)
         tried.append((Probe(budget=budget, peak_bytes=peak, seconds=seconds_of(run),
-                            error=getattr(run, "error", None)), run))
+                            error=getattr(run, "error", None), method=method), run))
         best = choose([p for p, _ in tried], target_bytes, tolerance)
         _close_all_but(tried, best)
         if peak is None:
             break  # a compile failure is not a memory answer; stop spending processes
-        progress(f"pt-budget: budget {budget:g} -> peak {peak / 1e6:.1f} MB, "
+        progress(f"{method}: {budget:g} -> peak {peak / 1e6:.1f} MB, "
                  f"{tried[-1][0].seconds or 0.0:.3f} s/step (target {target_bytes / 1e6:.1f} MB)")
     kept = next((run for p, run in tried if p is best), tried[-1][1])
     record = BudgetSearch(target_bytes=target_bytes, tolerance=tolerance,
                           probes=tuple(p for p, _ in tried), chosen=None if best is None else best.budget)
     if best is not None:
-        progress(f"pt-budget: keeping budget {best.budget:g} (peak {best.peak_bytes / 1e6:.1f} MB, "
+        progress(f"{method}: keeping {best.budget:g} (peak {best.peak_bytes / 1e6:.1f} MB, "
                  f"{best.seconds or 0.0:.3f} s/step)")
     return kept, record
 

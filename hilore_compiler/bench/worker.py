@@ -36,6 +36,7 @@ from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, m
                       plan_loss_ratio)
 from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
                       prepare_method, step_cosines, tuned_step)
+from .peers import SEARCHED, knob_name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,8 +201,9 @@ class Worker:
             if predicted is not None:
                 info["predicted_peak_bytes"] = predicted
             info.update(step_cosines(plan, self.bucket))
-        if self.config.options.activation_memory_budget is not None and self.config.method == "pt-budget":
-            info["activation_memory_budget"] = self.config.options.activation_memory_budget
+        if self.config.method in SEARCHED:
+            knob = knob_name(self.config.method)
+            info[knob] = getattr(self.config.options, knob)
         return info
 
 

@@ -56,7 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's)")
     p.add_argument("--hilore-budget", help=f"HiLoRe's memory budget (default {d.hilore_budget})")
     p.add_argument("--pt-budget", type=float,
-                   help="fixed activation_memory_budget for pt-budget (default: searched to HiLoRe's peak)")
+                   help="fixed activation_memory_budget for pt-budget and its solver variants "
+                        "(default: searched to HiLoRe's peak)")
     p.add_argument("--budget-probes", type=int,
                    help=f"budgets the pt-budget search tries, one process each, spread over [0, 1]; "
                         f"the fastest whose peak fits HiLoRe's is kept (default {d.budget_probes})")
@@ -86,7 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ceilings", type=ceiling_list,
                    help="the memory-speed frontier: comma-separated memory ceilings as multiples of GC's "
                         "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
-                        "int8-recompute, pt-budget, hilore-step) is planned or searched at each, the others placed where "
+                        "int8-recompute, hilore-step; pt-budget*, inductor-fp8 over their probes) is planned or "
+                        "searched at each, the others placed where "
                         "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
     p.add_argument("--calibrate", action="store_true",
                    help="with --ceilings: plan from a trace calibrated per unit (hilore calibrate --per-unit, "

@@ -92,9 +92,10 @@ step stand_ins 60 python3 tests/fake_cuda_worker.py --real-cuda "$OUT/stand-ins.
 # put selective AC (1.48x) and the PyTorch memory budget (1.16x at 0.25) over
 # 1.10x GC's peak, so by default the bench runs the methods that can fit,
 # each one compiling in a worker of its own (about 30 s each there, hilore
-# more: it traces, profiles and solves first).
+# more: it traces, profiles and solves first). pt-budget-profile (issue 53) runs on CUDA
+# only: 3 budget probes, the lowest (0.17) under the 0.25 that measured 1.16x GC.
 read -r -a bench_args <<<"${BENCH_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
---ceilings 1.0,1.1 --methods gc,hilore,int8-recompute --repeats 5 --warmup 1 \
+--ceilings 1.0,1.1 --methods gc,hilore,int8-recompute,pt-budget-profile --budget-probes 3 --repeats 5 --warmup 1 \
 -o $OUT/frontier-tinyllama-8l-bf16-cuda.json}"
 step bench 270 python3 -m hilore_compiler bench "${bench_args[@]}"
 bench_rc=$?

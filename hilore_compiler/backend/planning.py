@@ -150,12 +150,14 @@ def _covered(plans: Sequence[Plan], lo: int, hi: int) -> bool:
 
 
 def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, seq_len: int, name: str) -> Trace:
-    """Annotate and profile one captured joint graph into a trace."""
+    """Annotate and profile one captured joint graph into a trace, measured times rounded
+    (``solver.rounding``) so that fresh processes planning this graph agree."""
     from ..passes.tracer import TraceConfig, trace_captures
+    from ..solver.rounding import round_measured_costs
 
     config = TraceConfig(model_name=name, codecs=tuple(options.profiled_codecs), verbose=False,
                          cost_model=options.cost_model)
-    return trace_captures([capture], batch, seq_len, config)
+    return round_measured_costs(trace_captures([capture], batch, seq_len, config))
 
 
 def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions,

@@ -120,6 +120,12 @@ class Trace:
     #: gradient of that size beside the sum. Empty where none is (and in
     #: traces that predate it).
     partial_grad_bytes: dict[str, int] = field(default_factory=dict)
+    #: Block classes (``blockclasses``): layers whose units are the same up to
+    #: the layer index, ``{"c0": (0,), "c1": (1, 2, ...)}`` (names prefixed
+    #: ``g<i>/`` for a graph after a break). Profiling measured each class's
+    #: first layer and gave every member its costs. Empty in traces that
+    #: predate it (the solver finds classes from the units all the same).
+    block_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def unit(self, key: str) -> RecoveryUnit:
         for u in self.units:
@@ -218,6 +224,8 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         output_bytes=optional(payload, "output_bytes", str, where, "0"),
         param_bytes=optional(payload, "param_bytes", dict, where, {}),
         partial_grad_bytes=optional(payload, "partial_grad_bytes", dict, where, {}),
+        block_classes={name: tuple(layers) if isinstance(layers, list) else layers
+                       for name, layers in optional(payload, "block_classes", dict, where, {}).items()},
     )
     raise_problems(trace_problems(trace, where))
     return trace

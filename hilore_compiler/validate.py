@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .blockclasses import block_class_problems
 from .jsonio import FormatError
 from .sizeexpr import eval_size, parse_size
 from .vocabulary import READ_PAST_UNITS
@@ -131,7 +132,7 @@ def trace_problems(trace: Any, where: str) -> list[str]:
             if not _SEGMENT.match(str(segment)):
                 problems.append(f"{where}.{name}: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
             problems += _number(value, f"{where}.{name}.{segment}", integer=True)
-    return problems
+    return problems + block_class_problems(trace, where)
 
 
 #: A backward segment's name (``vocabulary.group_of``, or ``inputs``).

@@ -59,6 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: GC's peak as the memory model predicts it)")
     p.add_argument("--time-limit", type=float, default=SolverOptions().time_limit_s,
                    help="seconds CBC may spend on each bucket's ILP")
+    p.add_argument("--full-ilp", action="store_true",
+                   help="decide every unit alone instead of each block class's members by a few shared "
+                        "patterns (slower past a few layers; for comparison)")
     p.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     p.set_defaults(run=run)
 
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, inputs=[args.trace])
     common = dict(risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs, batch=args.batch,
                   exposure_mix=args.exposure_mix, loss_ratio=args.loss_ratio, gc_peak_bytes=args.gc_peak,
-                  options=SolverOptions(time_limit_s=args.time_limit),
+                  options=SolverOptions(time_limit_s=args.time_limit, tie_blocks=not args.full_ilp),
                   progress=lambda message: print(message, file=sys.stderr, flush=True))
     lo, hi = args.seq_len or (None, None)
     if lo is None or lo == hi:

@@ -39,6 +39,10 @@ class SolverOptions:
     gap_rel: float = 0.0
     #: CBC threads; None leaves CBC's default (one).
     threads: int | None = None
+    #: Decide the members of a block class by a few shared patterns
+    #: (``tying.py``), so the ILP's size does not grow with depth; False
+    #: solves the full ILP, one decision per unit.
+    tie_blocks: bool = True
 
 
 class NoPlanInTime(RuntimeError):

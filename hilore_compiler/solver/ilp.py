@@ -16,7 +16,12 @@ Variables, per nonzero bucket b
 Memory of bucket b at each phase (``memory.peak_parts``), all under the
 ceiling: kept + the loss's peak; kept - kept of the layers + the end of
 backward; and, per segment g, kept - kept of the layers backward finished
-before g + T[b, g]. Kept bytes are linear in x, so this stays an ILP.
+before g + T[b, g]. Kept bytes are linear in x, so this stays an ILP. They
+enter each phase through K[b, g] (a segment's kept bytes) and running sums
+U[b, s] over the nested sets of segments the phases hold (``kept_chain``), so
+every row is a few terms long and the nonzeros grow linearly with depth.
+Units of tied layers (``tying.py``) read the variables of the unit that
+decides them: x[b, u, o] exists only for the deciding units.
 
 Objective: minimise the expected recovery time over a batch's exposure mix,
 sum_b p_b x time_b, p_b the bucket's share of samples (``mix.py``).
@@ -43,13 +48,15 @@ stalls on gaps that are pure round-off; a 41-unit trace in milliseconds did.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pulp
 
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
-from .memory import CostModel, Segment
+from .memory import CostModel, Segment, UnitCost
+from .tying import Tying, untied
 
 #: Memory and time enter the ILP in thousandths of a reference (see
 #: ``_Formulation.byte_unit``), so coefficients are ~1e-3..1e3 on any model.
@@ -88,83 +95,114 @@ MIN_TIME_WEIGHT = 1e-3
 
 
 class _Bucket:
-    """One bucket's variables and the rules every plan obeys, inside a shared problem."""
+    """One bucket's variables and the rules every plan obeys, inside a shared problem.
+
+    Units tied to another (``tying.py``) have no variables of their own: they
+    read those of the unit that decides them (``var``), so a rule written for
+    each of them says the same of the shared variables and is written once.
+    """
 
     def __init__(self, problem: JointProblem, tag: int) -> None:
         self.problem, self.model, self.tag = problem, problem.model, tag
+        self.alias = problem.tying.alias
         prob = problem.prob
         self.x = {
             (u.key, o): _variable(prob, f"x_{tag}_{i}_{j}", pulp.LpBinary)
-            for i, u in enumerate(self.model.units) for j, o in enumerate(u.options)
+            for i, u in enumerate(self.model.units) if problem.tying.decides(u.key)
+            for j, o in enumerate(u.options)
         }
-        #: Per segment: T[g], what its backward holds at once besides kept bytes.
+        #: Per segment: T[g], what its backward holds at once besides kept
+        #: bytes and the weights' gradients (those differ by position, so tied
+        #: segments share T and the memory rows add them).
         self.T: dict[str, pulp.LpVariable | float] = {}
         self._one_option_per_unit()
         self._recompute_reads_only_exact_inputs()
         self._largest_transient()
+        self.unfreed = kept_chain(self)
+
+    def var(self, key: str, option: str) -> pulp.LpVariable:
+        """x[u, o] of unit ``key``: its own, or that of the unit deciding it."""
+        return self.x[self.alias[key], option]
 
     def _compressed(self, key: str) -> pulp.LpAffineExpression:
         """1 if unit ``key`` is compressed with any codec, else 0."""
         u = self.model.unit(key)
-        return pulp.lpSum(self.x[key, COMPRESS_PREFIX + c] for c in u.codecs)
+        return pulp.lpSum(self.var(key, COMPRESS_PREFIX + c) for c in u.codecs)
 
     def _one_option_per_unit(self) -> None:
         # Every recovery unit is stored, compressed with one codec, or recomputed.
         for i, u in enumerate(self.model.units):
-            self.problem.prob += pulp.lpSum(self.x[u.key, o] for o in u.options) == 1, \
-                f"one_option_{self.tag}_{i}"
+            if self.problem.tying.decides(u.key):
+                self.problem.prob += pulp.lpSum(self.x[u.key, o] for o in u.options) == 1, \
+                    f"one_option_{self.tag}_{i}"
 
     def _recompute_reads_only_exact_inputs(self) -> None:
         # Recomputation is bitwise exact, so it never reads a compressed input:
         #   x[u,R] + x[v,compress:*] <= 1            for v in from(u);
         # and recompute chains stay in one layer (memory.py says why):
         #   x[u,R] + x[v,compress:*] + x[v,R] <= 1   for v in from(u) of another layer.
-        for i, u in enumerate(self.model.units):
+        # Tied units give the same row many times: each is written once.
+        written: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+        for u in self.model.units:
             if not u.recomputable:
                 continue
-            for j, v in enumerate(self.model.unit(k) for k in u.recompute_from):
-                not_exact = self._compressed(v.key)
+            for v in (self.model.unit(k) for k in u.recompute_from):
+                not_exact = [(self.alias[v.key], COMPRESS_PREFIX + c) for c in v.codecs]
                 if v.recomputable and group_of(v.layer) != group_of(u.layer):
-                    not_exact += self.x[v.key, RECOMPUTE]
-                if len(not_exact) > 0:
-                    self.problem.prob += self.x[u.key, RECOMPUTE] + not_exact <= 1, \
-                        f"exact_inputs_{self.tag}_{i}_{j}"
+                    not_exact.append((self.alias[v.key], RECOMPUTE))
+                row = (self.alias[u.key], tuple(not_exact))
+                if not not_exact or row in written:
+                    continue
+                written.add(row)
+                self.problem.prob += self.var(u.key, RECOMPUTE) + pulp.lpSum(self.x[t] for t in not_exact) <= 1, \
+                    f"exact_inputs_{self.tag}_{len(written)}"
 
     def _largest_transient(self) -> None:
+        # Segments whose units and carried units are decided by the same
+        # variables, with the same gradient workspace, hold the same transient:
+        # one T for them all.
+        shared: dict[tuple, pulp.LpVariable | float] = {}
+        for s, segment in enumerate(self.model.segments):
+            signature = (tuple(self.alias[u.key] for u in segment.units), segment.needed_until, segment.readers,
+                         tuple((self.alias[c.key], first, last) for c, first, last in segment.carried),
+                         self.model.step.gradient_bytes.get(segment.name, 0))
+            if signature not in shared:
+                shared[signature] = self._transient(s, segment)
+            self.T[segment.name] = shared[signature]
+
+    def _transient(self, s: int, segment: Segment) -> pulp.LpVariable | float:
         # T[g] covers what the backward of segment g holds at once besides kept
-        # bytes (memory.py): at each cut p, the units rebuilt there, g's
-        # recompute workspace or gradient workspace (the larger), and g's other
-        # backward terms (a constant). Unit u is rebuilt at p when
+        # bytes and weight gradients (memory.py): at each cut p, the units
+        # rebuilt there, g's recompute workspace or gradient workspace (the
+        # larger), and the outputs and their gradient (a constant). Unit u is
+        # rebuilt at p when
         #   p in u's window:  it is not stored (1 - x[u,S]);
         #   p after it:       z[u,p] >= r[v,p] - x[u,S] for each reader v,
         # r[v,p] "v is recomputed and rebuilt at p" (x[v,R] in v's window,
         # z[v,p] after it): recomputing v reads u, so u is rebuilt with it.
         byte_unit, prob = self.problem.byte_unit, self.problem.prob
-        step = self.model.step
-        for s, segment in enumerate(self.model.segments):
-            units = segment.units
-            floor = step.backward_bytes.get(segment.name, 0) / byte_unit
-            if all(u.options == (STORE,) for u in (*units, *(c for c, _, _ in segment.carried))):
-                self.T[segment.name] = floor  # nothing rebuilt
-                continue
-            T = self.T[segment.name] = _variable(prob, f"T_transient_{self.tag}_{s}", low=floor)
-            gradient = step.gradient_bytes.get(segment.name, 0)
-            # The larger of the gradient workspace and any recompute workspace.
-            workspace = _variable(prob, f"W_{self.tag}_{s}", low=gradient / byte_unit)
-            for i, u in enumerate(units):
-                if u.recomputable and u.recompute_transient > 0:
-                    prob += workspace >= u.recompute_transient / byte_unit * self.x[u.key, RECOMPUTE], \
-                        f"workspace_{self.tag}_{s}_{i}"
-            early = self._rebuilt_early(s, segment)
-            # The outputs and their gradient, and the weights' gradients.
-            rest = (2 * step.output_bytes + step.weight_gradient_bytes.get(segment.name, 0)) / byte_unit
-            for cut in segment.peak_cuts:
-                alive = [u.bytes / byte_unit * (1 - self.x[u.key, STORE])
-                         for i, u in enumerate(units) if cut in segment.window(i)]
-                alive += [units[i].bytes / byte_unit * z for (i, p), z in early.items() if p == cut]
-                # Other segments' units backward rebuilt before reaching their own.
-                alive += [u.bytes / byte_unit * (1 - self.x[u.key, STORE]) for u in segment.carried_at(cut)]
-                prob += T >= pulp.lpSum(alive) + workspace + rest, f"transient_{self.tag}_{s}_{cut}"
+        step, units = self.model.step, segment.units
+        gradient = step.gradient_bytes.get(segment.name, 0)
+        outputs = 2 * step.output_bytes
+        floor = (outputs + gradient) / byte_unit if segment.name in step.gradient_bytes else 0.0
+        if all(u.options == (STORE,) for u in (*units, *(c for c, _, _ in segment.carried))):
+            return floor  # nothing rebuilt
+        T = _variable(prob, f"T_transient_{self.tag}_{s}", low=floor)
+        # The larger of the gradient workspace and any recompute workspace.
+        workspace = _variable(prob, f"W_{self.tag}_{s}", low=gradient / byte_unit)
+        for i, u in enumerate(units):
+            if u.recomputable and u.recompute_transient > 0:
+                prob += workspace >= u.recompute_transient / byte_unit * self.var(u.key, RECOMPUTE), \
+                    f"workspace_{self.tag}_{s}_{i}"
+        early = self._rebuilt_early(s, segment)
+        for cut in segment.peak_cuts:
+            alive = [u.bytes / byte_unit * (1 - self.var(u.key, STORE))
+                     for i, u in enumerate(units) if cut in segment.window(i)]
+            alive += [units[i].bytes / byte_unit * z for (i, p), z in early.items() if p == cut]
+            # Other segments' units backward rebuilt before reaching their own.
+            alive += [u.bytes / byte_unit * (1 - self.var(u.key, STORE)) for u in segment.carried_at(cut)]
+            prob += T >= pulp.lpSum(alive) + workspace + outputs / byte_unit, f"transient_{self.tag}_{s}_{cut}"
+        return T
 
     def _rebuilt_early(self, s: int, segment: Segment) -> dict[tuple[int, int], pulp.LpVariable]:
         """z[i, p] for each unit i and cut p after its window at which a recomputed
@@ -178,7 +216,7 @@ class _Bucket:
             if not u.recomputable or not readers:
                 continue
             for cut in (c for c in segment.peak_cuts if c > segment.needed_until[i]):
-                rebuilt = [self.x[units[j].key, RECOMPUTE] if cut in segment.window(j) else early.get((j, cut))
+                rebuilt = [self.var(units[j].key, RECOMPUTE) if cut in segment.window(j) else early.get((j, cut))
                            for j in readers]
                 rebuilt = [r for r in rebuilt if r is not None]
                 if not rebuilt:
@@ -187,52 +225,100 @@ class _Bucket:
                 for k, r in enumerate(rebuilt):
                     # r = 1 makes u stored or recomputed (exact inputs), so this is
                     # z >= x[u,R] + r - 1 on integers, and tighter when relaxed.
-                    prob += z >= r - self.x[u.key, STORE], f"early_{self.tag}_{s}_{i}_{cut}_{k}"
+                    prob += z >= r - self.var(u.key, STORE), f"early_{self.tag}_{s}_{i}_{cut}_{k}"
         return early
 
-    def kept(self, segments: Sequence[str] | None = None) -> pulp.LpAffineExpression:
-        """Kept bytes (stored + compressed) of ``segments`` (None: all), in byte units."""
-        return pulp.lpSum(u.kept_bytes(o) / self.problem.byte_unit * self.x[u.key, o]
-                          for u in self.model.units
-                          if segments is None or group_of(u.layer) in segments for o in u.options)
+    def kept(self, units: Sequence[UnitCost]) -> pulp.LpAffineExpression:
+        """Kept bytes (stored + compressed) of ``units``, in byte units."""
+        return pulp.lpSum(u.kept_bytes(o) / self.problem.byte_unit * self.var(u.key, o)
+                          for u in units for o in u.options if u.kept_bytes(o))
 
     def memory(self) -> list[pulp.LpAffineExpression]:
         """The step's memory at each phase (``memory.peak_parts``), in byte units:
         kept bytes less those of the segments backward has finished, plus what
         the phase holds besides them. The plan's memory is the largest."""
         step, byte_unit = self.model.step, self.problem.byte_unit
-        kept = self.kept()
-        phases = [kept + step.loss_phase_bytes / byte_unit,
-                  kept - self.kept(step.layer_segments) + step.end_bytes / byte_unit]
-        phases += [kept - self.kept(step.passed.get(g, ())) + T for g, T in self.T.items()]
+        every = frozenset(s.name for s in self.model.segments)
+        phases = [self.unfreed[every] + step.loss_phase_bytes / byte_unit,
+                  self.unfreed[every - set(step.layer_segments)] + step.end_bytes / byte_unit]
+        phases += [self.unfreed[every - set(step.passed.get(g, ()))] + T
+                   + step.weight_gradient_bytes.get(g, 0) / byte_unit for g, T in self.T.items()]
         return phases
+
+    def _per_unit(self, cost: Callable[[UnitCost, str], float]) -> pulp.LpAffineExpression:
+        """sum over units and options of cost(u, o) x[u, o], tied units' costs
+        added onto the variables that decide them."""
+        coefficients: dict[pulp.LpVariable, float] = {}
+        for u in self.model.units:
+            for o in u.options:
+                c = cost(u, o)
+                if c:
+                    var = self.var(u.key, o)
+                    coefficients[var] = coefficients.get(var, 0.0) + c
+        return pulp.LpAffineExpression(coefficients)
 
     def time(self) -> pulp.LpAffineExpression:
         """Recovery time: recompute seconds plus encode + decode seconds, in second units."""
-        return pulp.lpSum(u.time_s(o) / self.problem.second_unit * self.x[u.key, o]
-                          for u in self.model.units for o in u.options)
+        return self._per_unit(lambda u, o: u.time_s(o) / self.problem.second_unit)
 
     def error2(self) -> pulp.LpAffineExpression:
         """Sum of squared sensitivities of the compressed units (``risk.py``)."""
-        return pulp.lpSum(c.sensitivity**2 * self.x[u.key, COMPRESS_PREFIX + name]
-                          for u in self.model.units for name, c in u.codecs.items())
+        return self._per_unit(lambda u, o: u.codecs[o.removeprefix(COMPRESS_PREFIX)].sensitivity**2
+                              if o.startswith(COMPRESS_PREFIX) else 0.0)
 
     def decisions(self) -> dict[str, str]:
         """The chosen option per unit, rounding binaries at CHOSEN."""
         chosen = {}
         for u in self.model.units:
-            picked = [o for o in u.options if (self.x[u.key, o].varValue or 0.0) > CHOSEN]
+            picked = [o for o in u.options if (self.var(u.key, o).varValue or 0.0) > CHOSEN]
             if len(picked) != 1:
                 raise RuntimeError(f"CBC returned {len(picked)} options for unit {u.key}")
             chosen[u.key] = picked[0]
         return chosen
 
 
+def kept_chain(bucket: _Bucket) -> dict[frozenset[str], pulp.LpAffineExpression]:
+    """Kept bytes of each set of segments a memory phase holds unfreed, in byte units.
+
+    Backward frees the layers it has finished, so those sets are nested (the
+    loss holds every segment, a layer's backward its own and those below).
+    Summing every unit's options per phase made the rows' nonzeros grow with
+    depth squared (3.6M at 128 layers); instead K[g] (kept bytes of segment
+    g, one variable for segments decided alike) and U[s] = U[previous set] +
+    the K of the segments it adds keep every row a few terms long.
+    """
+    model, prob, tag = bucket.model, bucket.problem.prob, bucket.tag
+    step = model.step
+    every = frozenset(s.name for s in model.segments)
+    sets = {every, every - set(step.layer_segments), *(every - set(step.passed.get(g, ())) for g in bucket.T)}
+    K: dict[str, pulp.LpVariable] = {}
+    shared: dict[tuple[str, ...], pulp.LpVariable] = {}
+    for s, segment in enumerate(model.segments):
+        signature = tuple(bucket.alias[u.key] for u in segment.units)
+        if signature not in shared:
+            shared[signature] = _variable(prob, f"K_{tag}_{s}", low=0)
+            prob += shared[signature] == bucket.kept(segment.units), f"kept_{tag}_{s}"
+        K[segment.name] = shared[signature]
+    unfreed: dict[frozenset[str], pulp.LpAffineExpression] = {}
+    previous: frozenset[str] = frozenset()
+    for k, held in enumerate(sorted(sets, key=len)):
+        base = unfreed[previous] if previous and previous <= held else None
+        added = held - previous if base is not None else held
+        U = _variable(prob, f"U_{tag}_{k}", low=0)
+        prob += U == (base if base is not None else 0) + pulp.lpSum(K[g] for g in sorted(added)), f"unfreed_{tag}_{k}"
+        unfreed[held] = pulp.LpAffineExpression(U)
+        previous = held
+    return unfreed
+
+
 class JointProblem:
     """One ILP over every bucket: per-bucket plans, one shared error budget."""
 
-    def __init__(self, model: CostModel, name: str, weights: Sequence[BucketWeight]) -> None:
+    def __init__(self, model: CostModel, name: str, weights: Sequence[BucketWeight],
+                 tying: Tying | None = None) -> None:
         self.model, self.weights = model, tuple(weights)
+        #: Which units share variables (``tying.py``); None: every unit decides alone.
+        self.tying = tying or untied(model)
         self.prob = pulp.LpProblem(name, pulp.LpMinimize)
         #: Bytes and seconds per ILP unit (see SCALE).
         self.byte_unit = max(sum(u.bytes for u in model.units), 1) / SCALE
@@ -257,6 +343,9 @@ class JointProblem:
         #   sum_b q_b sum_u s(u)^2 x[b,u,compress] <= risk_budget.
         # Divided by the budget: CBC's feasibility tolerance is absolute
         # (1e-7), a quarter percent of a 2e-5 budget, which it then overran.
+        # An infinite budget is no constraint (``solving._budget_idle``).
+        if math.isinf(risk_budget):
+            return
         scale = risk_budget if risk_budget > 0 else 1.0
         self.prob += pulp.lpSum(w.error / scale * self.buckets[w.name].error2() for w in self.weights) \
             <= risk_budget / scale, "risk_budget"
@@ -280,9 +369,9 @@ def expected_time_s(model: CostModel, weights: Sequence[BucketWeight],
 
 
 def min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budget_bytes: int,
-                     risk_budget: float) -> tuple[JointProblem, float]:
+                     risk_budget: float, tying: Tying | None = None) -> tuple[JointProblem, float]:
     """The fastest plans within the ceiling and error budget, and its objective's seconds per unit."""
-    problem = JointProblem(model, "hilore_min_time", weights)
+    problem = JointProblem(model, "hilore_min_time", weights, tying)
     problem.prob += problem.expected_time()
     # Round-off slack: the terms, scaled, sum to the budget only within ~1e-10
     # of it, and a plan exactly at the budget (the least one) must still fit.
@@ -292,9 +381,9 @@ def min_time_problem(model: CostModel, weights: Sequence[BucketWeight], *, budge
 
 
 def min_memory_problem(model: CostModel, weights: Sequence[BucketWeight], *,
-                       risk_budget: float) -> tuple[JointProblem, float]:
+                       risk_budget: float, tying: Tying | None = None) -> tuple[JointProblem, float]:
     """The plans whose largest bucket memory is least, and its objective's bytes per unit."""
-    problem = JointProblem(model, "hilore_min_memory", weights)
+    problem = JointProblem(model, "hilore_min_memory", weights, tying)
     ceiling = _variable(problem.prob, "M_ceiling", low=0)
     problem.prob += ceiling
     problem.every_bucket_fits(ceiling)

@@ -11,14 +11,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .cbc import NoPlanInTime, SolverOptions, run_cbc
-from .ilp import BucketWeight, JointProblem, expected_time_s, min_memory_problem, min_time_problem
+from .ilp import MIN_TIME_WEIGHT, BucketWeight, JointProblem, expected_time_s, min_memory_problem, min_time_problem
 from .memory import CostModel, simulate
 from .risk import plan_risk
+from .tying import Tying, tie_blocks, untied
+
+
+#: Up to this many units, the joint problem of buckets whose error budget binds
+#: is the full ILP even when block classes are tied. There CBC's heuristics
+#: find good plans on the full ILP and poor ones on the tied one: on the 8B
+#: roofline trace (32 layers) at cos >= 0.999999, a first plan of 45.9 in
+#: 1.2 s against 56.0 (46.4 after 15 s), while one bucket's tied problem (the
+#: error budget idle, or each bucket apart) solves as well as the full one.
+#: Past it the full joint problem is too big to solve in time anyway.
+FULL_JOINT_MAX_UNITS = 1500
+
+
+def problem_tying(model: CostModel, options: SolverOptions, *, joint: bool = False) -> Tying:
+    """The units the ILPs decide together: block classes (``tying.py``), unless
+    ``options`` ask for the full ILP, or ``joint`` (the buckets' joint problem)
+    and the model is small enough for the full one (``FULL_JOINT_MAX_UNITS``)."""
+    small = joint and len(model.units) <= FULL_JOINT_MAX_UNITS
+    return tie_blocks(model) if options.tie_blocks and not small else untied(model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,9 +86,47 @@ def _run(problem: JointProblem, options: SolverOptions, scale: float,
                      seconds=run.seconds, objective=objective, bound=bound)
 
 
+def _plan_or_none(made: tuple[JointProblem, float], options: SolverOptions) -> IlpResult | None:
+    """``_run`` on a made problem (and its objective's scale); None if it is
+    infeasible or CBC found no plan in time."""
+    problem, scale = made
+    try:
+        return _run(problem, options, scale=scale)
+    except NoPlanInTime:
+        return None
+
+
+def _budget_idle(model: CostModel, weights: Sequence[BucketWeight], make: Callable[..., tuple[JointProblem, float]],
+                 combine: Callable[[list[float]], float], weigh: Callable[[BucketWeight], float], *,
+                 risk_budget: float, options: SolverOptions) -> IlpResult | None:
+    """The joint problem in one solve, when its error budget does not bind.
+
+    Without the error budget every bucket's problem is the same one (a
+    bucket's weight only scales its objective, by ``weigh``). Its plan, run
+    in every bucket, has the error of the exposure-blind plan (the error
+    shares sum to 1); if that is within the budget, the plan is best in every
+    bucket, so for the joint problem, and it is the blind plan too. One solve
+    instead of one per bucket, and of the blind plan's: on a 128-layer trace
+    each takes seconds. None where the budget binds (or CBC found nothing).
+    """
+    one = dataclasses.replace(weights[0], samples=1.0, error=1.0)
+    part = _plan_or_none(make(model, [one], risk_budget=math.inf), options)
+    if part is None:
+        return None
+    plan = part.decisions[one.name]
+    if plan_risk(model, plan, sum(w.error for w in weights)) > risk_budget:
+        return None
+    decisions = {w.name: dict(plan) for w in weights}
+    return IlpResult(decisions=decisions, status=part.status, seconds=part.seconds,
+                     objective=combine([weigh(w) * part.objective for w in weights]),
+                     bound=None if part.bound is None else combine([weigh(w) * part.bound for w in weights]),
+                     blind=decisions)
+
+
 def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callable[..., tuple[JointProblem, float]],
                  combine: Callable[[list[float]], float], *, risk_budget: float,
-                 options: SolverOptions) -> IlpResult | None:
+                 options: SolverOptions,
+                 weigh: Callable[[BucketWeight], float]) -> IlpResult | None:
     """A joint problem solved one bucket at a time, when that is exact.
 
     Only the error budget couples the buckets. Each bucket alone, given the
@@ -80,17 +138,17 @@ def _solve_apart(model: CostModel, weights: Sequence[BucketWeight], make: Callab
     the caller solves the joint problem. Worth it because CBC branches on the
     alike buckets of a joint problem at once: on the shipped small trace the
     three-bucket min-memory problem stopped at its 12 s limit unproven, while
-    each bucket alone is solved in well under a second.
+    each bucket alone is solved in well under a second. Where the budget does
+    not bind at all, one solve serves every bucket (``_budget_idle``).
     """
     if len(weights) < 2:
         return None
+    idle = _budget_idle(model, weights, make, combine, weigh, risk_budget=risk_budget, options=options)
+    if idle is not None:
+        return idle
     parts: list[IlpResult] = []
     for w in weights:
-        problem, scale = make(model, [w], risk_budget=risk_budget)
-        try:
-            part = _run(problem, options, scale=scale)
-        except NoPlanInTime:
-            return None
+        part = _plan_or_none(make(model, [w], risk_budget=risk_budget), options)
         if part is None:
             return None
         parts.append(part)
@@ -117,10 +175,12 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     from ``start`` only if it found nothing in time, and ``start`` is returned
     if CBC stopped early with a slower plan or found none even from it.
     """
-    make = functools.partial(min_time_problem, budget_bytes=budget_bytes)
-    result = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options)
+    make = functools.partial(min_time_problem, budget_bytes=budget_bytes, tying=problem_tying(model, options))
+    result = _solve_apart(model, weights, make, sum, risk_budget=risk_budget, options=options,
+                          weigh=lambda w: max(w.samples, MIN_TIME_WEIGHT))
     if result is None:
-        problem, _ = make(model, weights, risk_budget=risk_budget)
+        problem, _ = min_time_problem(model, weights, budget_bytes=budget_bytes, risk_budget=risk_budget,
+                                      tying=problem_tying(model, options, joint=True))
         began = time.perf_counter()
         try:
             result = _run(problem, options, scale=problem.second_unit)
@@ -138,7 +198,7 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
     if result is not None and result.status != "optimal":
         # Stopped early: never return plans slower than the known ones, nor
         # than the exposure-blind plan, a point of the same problem.
-        blind = _blind_plans(model, weights, make, risk_budget, options)
+        blind = result.blind if result.blind is not None else _blind_plans(model, weights, make, risk_budget, options)
         result = _no_worse_than(result, (start, blind), lambda plans: expected_time_s(model, weights, plans))
         result = dataclasses.replace(result, blind=blind)
     return result
@@ -159,7 +219,7 @@ def blind_min_time(model: CostModel, weights: Sequence[BucketWeight], *, budget_
                    options: SolverOptions) -> dict[str, dict[str, str]] | None:
     """The exposure-blind plans within ``budget_bytes``: one bucket's fastest plan at
     error share 1, in every bucket; None for one bucket, or where it fits no plan."""
-    make = functools.partial(min_time_problem, budget_bytes=budget_bytes)
+    make = functools.partial(min_time_problem, budget_bytes=budget_bytes, tying=problem_tying(model, options))
     return _blind_plans(model, weights, make, risk_budget, options)
 
 
@@ -192,9 +252,12 @@ def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_
 
     Always feasible: storing every unit satisfies every constraint.
     """
-    result = _solve_apart(model, weights, min_memory_problem, max, risk_budget=risk_budget, options=options)
+    make = functools.partial(min_memory_problem, tying=problem_tying(model, options))
+    result = _solve_apart(model, weights, make, max, risk_budget=risk_budget, options=options,
+                          weigh=lambda w: 1.0)
     if result is None:
-        problem, scale = min_memory_problem(model, weights, risk_budget=risk_budget)
+        problem, scale = min_memory_problem(model, weights, risk_budget=risk_budget,
+                                            tying=problem_tying(model, options, joint=True))
         result = _run(problem, options, scale=scale)
     if result is None:
         raise RuntimeError("CBC reports the min-memory problem infeasible, yet store-all satisfies it")
@@ -203,6 +266,7 @@ def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_
         # solved alone far faster. On the frontier bench's small trace the joint
         # problem stopped at 170.3 MB where the blind plan needs 165.6 MB, and
         # the bucketed plan was refused a ceiling the blind one met.
-        result = _no_worse_than(result, (_blind_plans(model, weights, min_memory_problem, risk_budget, options),),
+        blind = result.blind if result.blind is not None else _blind_plans(model, weights, make, risk_budget, options)
+        result = _no_worse_than(result, (blind,),
                                 lambda plans: max(simulate(model, d).memory_bytes for d in plans.values()))
     return result

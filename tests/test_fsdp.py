@@ -91,7 +91,7 @@ def prepare(model, backend: str, options: dict, ids: torch.Tensor, make=None):
     mb = ids[:2]  # (2, T): the microbatch shape
     if backend == "hilore":
         plan = shared_step_plan(model, mb, options, **({"make": make} if make else {}))
-        compile_blocks(model, {**options, "plan": plan})
+        model.hilore_backends = compile_blocks(model, {**options, "plan": plan})
     else:
         compile_blocks(model, backend=backend)
     if dist.get_rank() == 0:
@@ -171,7 +171,16 @@ def rank_main(rank: int, world: int, backend: str) -> dict:
         out["lossy_digest"] = plan_digest(plan)
         out["lossy_compressed"] = sum(o.startswith("compress") for b in plan.buckets for _, o in b.decisions)
         out["lossy_cosine"] = compare(update_and_gather(lossy, rank, config)[0], ref)[1]
+        out["lossy_ran"] = ran_plans(lossy)
     return out
+
+
+def ran_plans(model) -> list[str]:
+    """Digests of the plans the compiled blocks ran (each block graph's), in block order."""
+    from hilore_compiler.distributed.plan_sync import plan_digest
+
+    backends = list({id(b): b for b in model.hilore_backends}.values())
+    return [plan_digest(g.plan) for b in backends for g in b.graphs if g.plan is not None]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +190,7 @@ def ranks(tmp_path_factory):
              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
     results = spawn(rank_main, 2, BACKEND, backend="gloo", env=cache, timeout_s=600)
     for r in results:  # the measured figures, for pytest -s
-        print({k: v for k, v in r.items() if k not in ("seen", "plan_digest", "lossy_digest")})
+        print({k: v for k, v in r.items() if k not in ("seen", "plan_digest", "lossy_digest", "lossy_ran")})
     return results
 
 
@@ -221,6 +230,8 @@ def test_recompute_needs_no_extra_all_gather(ranks):
 def test_every_rank_applies_rank_0_plan_and_codecs_keep_cosine(ranks):
     assert ranks[0]["plan_digest"] == ranks[1]["plan_digest"] is not None
     assert ranks[0]["lossy_digest"] == ranks[1]["lossy_digest"]
+    # What the compiled blocks ran, not only what was broadcast: the same plans, codecs on.
+    assert ranks[0]["lossy_ran"] and ranks[0]["lossy_ran"] == ranks[1]["lossy_ran"]
     for r in ranks:
         assert r["lossy_compressed"] > 0  # the codecs did run
         assert 0.999 <= r["lossy_cosine"] < 1 - 1e-9, r["lossy_cosine"]

@@ -49,12 +49,28 @@ def layer_free_key(key: str, layer: int | None) -> str:
     return f"{fqn[:start]}{ANY_LAYER}{fqn[end:]}{sep}{rest}"
 
 
-def relative_ref(ref: str, layer: int | None, units: Mapping[str, _Unit]) -> tuple[Any, ...]:
+def shared_targets(units: Iterable[_Unit], refs: Callable[[Any], Iterable[str]]) -> frozenset[str]:
+    """Keys of the units that units of two or more other layers read (``refs``):
+    the attention mask that layer 0 makes and every layer reads. Every member
+    of a class reads that one unit, at a different layer offset each."""
+    units = list(units)
+    own = {u.key: u.layer for u in units}
+    readers: dict[str, set[int]] = {}
+    for u in units:
+        if u.layer is not None:
+            for ref in refs(u):
+                readers.setdefault(ref, set()).add(u.layer)
+    return frozenset(k for k, layers in readers.items() if len(layers - {own.get(k)}) >= 2)
+
+
+def relative_ref(ref: str, layer: int | None, units: Mapping[str, _Unit],
+                 shared: frozenset[str] = frozenset()) -> tuple[Any, ...]:
     """A reference from a unit of ``layer`` to unit ``ref`` that is the same for
     every member of a class: (layer offset, layer-free key) for a unit of
-    another layer, ``("abs", ref)`` for one outside the layers (or a marker)."""
+    another layer, ``("abs", ref)`` for one outside the layers, one that many
+    layers read (``shared``), or a marker."""
     target = units.get(ref)
-    if target is None or target.layer is None or layer is None:
+    if target is None or target.layer is None or layer is None or ref in shared:
         return ("abs", ref)
     return (target.layer - layer, layer_free_key(ref, target.layer))
 
@@ -74,12 +90,12 @@ def group_layers(units: Iterable[_Unit], unit_signature: Callable[[Any], Hashabl
     return sorted((tuple(members) for members in classes.values()), key=lambda m: m[0])
 
 
-def trace_unit_signature(u: Any, units: Mapping[str, Any]) -> tuple[Any, ...]:
+def trace_unit_signature(u: Any, units: Mapping[str, Any], shared: frozenset[str] = frozenset()) -> tuple[Any, ...]:
     """What must agree between units of two layers of one class: structure, not
     measured seconds or errors (those are what profiling a member gives)."""
     return (layer_free_key(u.key, u.layer), u.kind, u.op, u.dtype, u.bytes, u.recompute_transient,
-            u.recomputable, tuple(relative_ref(r, u.layer, units) for r in u.recompute_from),
-            None if u.read_until is None else relative_ref(u.read_until, u.layer, units),
+            u.recomputable, tuple(relative_ref(r, u.layer, units, shared) for r in u.recompute_from),
+            None if u.read_until is None else relative_ref(u.read_until, u.layer, units, shared),
             tuple(sorted((name, c.bytes, c.usable) for name, c in u.codecs.items())))
 
 
@@ -87,7 +103,8 @@ def find_block_classes(units: Sequence[Any]) -> dict[str, tuple[int, ...]]:
     """The block classes of a trace's units: ``{"c0": (0, 1, ...), ...}``, named
     in order of their first layer. A layer like no other is a class of one."""
     by_key = {u.key: u for u in units}
-    groups = group_layers(units, lambda u: trace_unit_signature(u, by_key))
+    shared = shared_targets(units, lambda u: u.recompute_from)
+    groups = group_layers(units, lambda u: trace_unit_signature(u, by_key, shared))
     return {f"c{i}": members for i, members in enumerate(groups)}
 
 
@@ -108,6 +125,7 @@ def block_class_problems(trace: Any, where: str) -> list[str]:
     problems: list[str] = []
     layers = {u.layer for u in trace.units if u.layer is not None}
     by_key = {u.key: u for u in trace.units}
+    shared = shared_targets(trace.units, lambda u: u.recompute_from)
     seen: dict[tuple[str, int], str] = {}
     grouped: dict[tuple[str, int | None], list[Any]] = {}
     for u in trace.units:
@@ -123,7 +141,7 @@ def block_class_problems(trace: Any, where: str) -> list[str]:
             if (prefix, m) in seen:
                 problems.append(f"{at}: layer {m} is also in class {seen[prefix, m]}")
             seen[prefix, m] = name
-        shapes = {m: tuple(trace_unit_signature(u, by_key) for u in grouped.get((prefix, m), ()))
+        shapes = {m: tuple(trace_unit_signature(u, by_key, shared) for u in grouped.get((prefix, m), ()))
                   for m in members}
         odd = [m for m in members if shapes[m] != shapes[members[0]]]
         if odd:

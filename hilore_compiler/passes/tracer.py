@@ -22,8 +22,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
 from .capture import GraphCapture, capture_joint_graphs, meta_values
 from .allocator import default_allocator
+from .classes import profile_by_class, unit_classes
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
+from ..progress import Ticker
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
 from ..vocabulary import DEFAULT_CODECS, group_of
@@ -228,21 +230,27 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     gc_total, store_total, output_total = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
     param_bytes: dict[str, int] = {}
     partial_grad_bytes: dict[str, int] = {}
+    block_classes: dict[str, tuple[int, ...]] = {}
     for capture in captures:
         symbols = shape_symbols(capture.joint.graph)
         prefix = f"g{capture.index}/" if capture.index else ""
         graph_units = annotate_units(capture.joint, capture.saved_names, prefix)
         if config.cost_model != "measured" and not capture.values:
             capture.values = meta_values(capture.joint)
-        step = max(1, len(graph_units) // 10)
-        profiled = []
+        classes = unit_classes(graph_units, symbols)
+        block_classes.update({f"{prefix}{name}": layers for name, layers in classes.items()})
+        ticker = Ticker(say)
+
+        def measure(unit: UnitNodes, factor: int, values: dict = capture.values, symbols: dict = symbols) -> RecoveryUnit:
+            repeats = dataclasses.replace(profile_config, repeats=profile_config.repeats * factor)
+            return _profile(unit, values, symbols, repeats)
+
         # Costs run real (or meta) tensors: a caller's fake mode (a model
         # traced on fake CUDA tensors) must be off meanwhile.
         with default_allocator(), unset_fake_temporarily():
-            for i, unit in enumerate(graph_units):
-                profiled.append(_profile(unit, capture.values, symbols, profile_config))
-                if (i + 1) % step == 0 or i + 1 == len(graph_units):
-                    say(f"graph {capture.index}: profiled {i + 1}/{len(graph_units)} units ({unit.key})")
+            profiled = profile_by_class(graph_units, classes, measure, progress=lambda done, total, key: ticker(
+                f"graph {capture.index}: profiled {done}/{total} units, one layer per block class "
+                f"({len(graph_units)} units, {len(classes)} classes; {key})", last=done == total))
         units += profiled
         # GC's backward also re-runs one unit's region at a time: its workspace.
         workspace = largest((parse_size(u.recompute_transient) for u in profiled), batch, seq_len)
@@ -267,7 +275,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         graph_breaks=tuple(f"graph {c.index}" for c in captures[1:]),
         notes=config.notes + _value_notes(captures),
         output_bytes=format_size(sympy.expand(output_total)), param_bytes=param_bytes,
-        partial_grad_bytes=partial_grad_bytes,
+        partial_grad_bytes=partial_grad_bytes, block_classes=block_classes,
     )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..blockclasses import group_layers, layer_free_key, relative_ref
+from ..blockclasses import group_layers, layer_free_key, relative_ref, shared_targets
 from ..vocabulary import group_of
 from .memory import CostModel, UnitCost
 
@@ -71,11 +71,11 @@ def untied(model: CostModel) -> Tying:
     return Tying(alias={u.key: u.key for u in model.units})
 
 
-def _unit_signature(u: UnitCost, by_key: Mapping[str, UnitCost]) -> tuple:
+def _unit_signature(u: UnitCost, by_key: Mapping[str, UnitCost], shared: frozenset[str]) -> tuple:
     """What two tied units must share so that the ILP's memory stays exact."""
     return (layer_free_key(u.key, u.layer), u.kind, u.bytes, u.recompute_transient, u.recomputable,
-            tuple(relative_ref(r, u.layer, by_key) for r in u.recompute_from),
-            None if u.read_until is None else relative_ref(u.read_until, u.layer, by_key),
+            tuple(relative_ref(r, u.layer, by_key, shared) for r in u.recompute_from),
+            None if u.read_until is None else relative_ref(u.read_until, u.layer, by_key, shared),
             tuple(sorted((name, c.bytes) for name, c in u.codecs.items())))
 
 
@@ -83,7 +83,8 @@ def model_classes(model: CostModel) -> list[tuple[int, ...]]:
     """The block classes of ``model``: layers with units of the same structure
     and bytes at the planned shape and the same gradient workspace."""
     gradient = model.step.gradient_bytes
-    return group_layers(model.units, lambda u: _unit_signature(u, model.by_key),
+    shared = shared_targets(model.units, lambda u: u.recompute_from)
+    return group_layers(model.units, lambda u: _unit_signature(u, model.by_key, shared),
                         lambda layer: gradient.get(group_of(layer), 0))
 
 

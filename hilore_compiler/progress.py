@@ -1,0 +1,31 @@
+"""Progress lines for planning steps that take seconds: one every few seconds, not one per unit.
+
+Profiling hundreds of units or waiting on CBC can take a while; a user should
+see that it moves (units profiled of total, solver status) without a line per
+unit flooding stderr.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+#: Seconds between two progress lines: often enough to see a step move, rarely
+#: enough that a 400-unit profile says about a dozen lines.
+PROGRESS_INTERVAL_S = 3.0
+
+
+class Ticker:
+    """Passes a message on to ``say`` at most once per ``interval_s`` seconds
+    (and always the last one of a step, so it ends with its total)."""
+
+    def __init__(self, say: Callable[[str], None], interval_s: float = PROGRESS_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.say, self.interval_s, self.clock = say, interval_s, clock
+        self.last = clock()
+
+    def __call__(self, message: str, *, last: bool = False) -> None:
+        now = self.clock()
+        if last or now - self.last >= self.interval_s:
+            self.say(message)
+            self.last = now

@@ -9,10 +9,12 @@ Modules in the order a run uses them:
 - ``methods``: how each method compiles the policy (store-all, GC, selective
   AC, PyTorch's memory-budget partitioner, uniform int8, HiLoRe and its
   one-bucket, exposure-blind variant).
+- ``peers``: the planners that ship with PyTorch (activation_memory_budget's
+  solvers and estimators, Inductor's fp8 saved activations) and their knobs.
 - ``worker``: one process per method, driven over a pipe: the fixed batch,
   the GRPO actor step, setup and measured steps.
-- ``search``: a grid over PyTorch's activation_memory_budget: the fastest
-  budget whose peak fits HiLoRe's.
+- ``search``: a grid over a peer's knob (activation_memory_budget, fp8's
+  size threshold): the fastest probe whose peak fits HiLoRe's.
 - ``process``: a worker process and its pipe; the environment it runs in.
 - ``launcher``: starts a method's workers: set-up and peak, then the timed one.
 - ``rounds``: a method's figures as a run goes; alternating, counted rounds.

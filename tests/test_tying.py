@@ -93,3 +93,26 @@ def test_trace_records_classes_and_validation_refuses_unlike_members():
     assert trace_from_json(payload).block_classes == classes
     with pytest.raises(FormatError, match="not structurally identical"):
         trace_from_json({**payload, "block_classes": {"c0": [0, 1, 2, 3]}})
+
+
+def _keys_as_built_in(trace):
+    """The synthetic trace keyed as the built-in Llama (``layers.<i>...``), as per-block compiles read it."""
+    rename = lambda key: key.replace("model.layers.", "layers.", 1)  # noqa: E731
+    units = tuple(dataclasses.replace(u, key=rename(u.key), recompute_from=tuple(map(rename, u.recompute_from)),
+                                      read_until=u.read_until and rename(u.read_until)) for u in trace.units)
+    return dataclasses.replace(trace, units=units)
+
+
+def test_per_block_compiles_share_one_backend_per_pattern():
+    from hilore_compiler.distributed.blocks import _block_compilers
+
+    layers = 16
+    trace = _keys_as_built_in(synthetic_trace(dataclasses.replace(SMALL, num_layers=layers)))
+    plan = solve(trace, "1.10x-gc", codecs=["bf16", "int8"], buckets=1, options=SolverOptions(time_limit_s=10.0))
+    compilers = _block_compilers(plan, {"verbose": False}, layers)
+    # Layers tied to one pattern get one backend (one dynamo graph, one
+    # Inductor compile): 16 blocks, at most 1 + 1 + 4 patterns + 1 backends.
+    tying = tie_blocks(prepare(trace, codecs=["bf16", "int8"], batch=None, seq_len=None)[1])
+    for group in tying.groups:
+        assert len({id(compilers[i]) for i in group}) == 1
+    assert len({id(c) for c in compilers}) <= layers - sum(len(g) - 1 for g in tying.groups)

@@ -100,6 +100,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="time verl's FSDP2 actor update (2 gloo ranks, tiny random Qwen2, dynamic batch size) "
                         "at 0/25/50/75%% all-equal-reward groups: verl's engine with GC, hilore skipping whole "
                         "zero micro-batches, hilore dropping zero samples (--repeats rounds; --quick: smaller)")
+    p.add_argument("--compile-cost", action="store_true",
+                   help="first-compile seconds, step time and kernels of plain Inductor and zero-config hilore "
+                        "on a Hugging Face Llama from a config (hidden 128, batch 2, seq 256, fp32), back to back "
+                        "in fresh processes at each of --depths (bench/compile_cost.py; --quick: tiny)")
+    p.add_argument("--depths", type=functools.partial(length_list, flag="--depths"),
+                   help="with --compile-cost: the Llama's layer counts (default 2,8,32)")
     p.add_argument("--nproc", type=int,
                    help="FSDP2 across this many processes (gloo on CPU, nccl on GPUs): GC, store-all "
                         "and HiLoRe compiled per block; --batch is then per rank "
@@ -169,6 +175,23 @@ def run_actor(args: argparse.Namespace) -> int:
     name = f"actor-update-{config.model}-T{config.seq_len}-{config.loss_type}.json"
     output = Path(args.output or RESULTS_DIR / name)
     report = run_actor_bench(config, _progress)
+    report["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(format_table(report))
+    print(f"results: {write_json_atomic(output, report)}")
+    return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
+
+
+def run_compile_cost(args: argparse.Namespace) -> int:
+    """``--compile-cost``: run, print the table, save the JSON."""
+    from ..bench.compile_cost import QUICK, CompileCostConfig, format_table, run_compile_cost as run_bench
+    from ..jsonio import write_json_atomic
+
+    values: dict = dict(QUICK) if args.quick else {}
+    values.update({k: v for k, v in (("depths", args.depths), ("threads", args.threads)) if v is not None})
+    config = CompileCostConfig(**values)
+    depths = "-".join(map(str, config.depths))
+    output = Path(args.output or RESULTS_DIR / f"compile-cost-llama-h{config.hidden}-l{depths}.json")
+    report = run_bench(config, _progress)
     report["command"] = "hilore " + " ".join(sys.argv[1:])
     print(format_table(report))
     print(f"results: {write_json_atomic(output, report)}")
@@ -250,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
         return run_command(args)
     if args.actor_update:
         return run_actor(args)
+    if args.compile_cost:
+        return run_compile_cost(args)
     if args.verl_zero:
         return run_zero_shares(args)
     if args.lengths:

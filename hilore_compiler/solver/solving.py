@@ -35,8 +35,8 @@ FULL_JOINT_MAX_UNITS = 1500
 
 def problem_tying(model: CostModel, options: SolverOptions, *, joint: bool = False) -> Tying:
     """The units the ILPs decide together: block classes (``tying.py``), unless
-    ``options`` ask for the full ILP, or ``joint`` (the buckets' joint problem)
-    and the model is small enough for the full one (``FULL_JOINT_MAX_UNITS``)."""
+    ``options`` ask for the full ILP, or ``joint`` (the joint problem of several
+    buckets) and the model is small enough for the full one (``FULL_JOINT_MAX_UNITS``)."""
     small = joint and len(model.units) <= FULL_JOINT_MAX_UNITS
     return tie_blocks(model) if options.tie_blocks and not small else untied(model)
 
@@ -180,7 +180,7 @@ def solve_min_time(model: CostModel, *, budget_bytes: int, weights: Sequence[Buc
                           weigh=lambda w: max(w.samples, MIN_TIME_WEIGHT))
     if result is None:
         problem, _ = min_time_problem(model, weights, budget_bytes=budget_bytes, risk_budget=risk_budget,
-                                      tying=problem_tying(model, options, joint=True))
+                                      tying=problem_tying(model, options, joint=len(weights) > 1))
         began = time.perf_counter()
         try:
             result = _run(problem, options, scale=problem.second_unit)
@@ -257,7 +257,7 @@ def solve_min_memory(model: CostModel, *, weights: Sequence[BucketWeight], risk_
                           weigh=lambda w: 1.0)
     if result is None:
         problem, scale = min_memory_problem(model, weights, risk_budget=risk_budget,
-                                            tying=problem_tying(model, options, joint=True))
+                                            tying=problem_tying(model, options, joint=len(weights) > 1))
         result = _run(problem, options, scale=scale)
     if result is None:
         raise RuntimeError("CBC reports the min-memory problem infeasible, yet store-all satisfies it")

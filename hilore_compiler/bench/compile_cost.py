@@ -1,0 +1,140 @@
+"""``hilore bench --compile-cost``: first-compile seconds of plain Inductor and zero-config hilore.
+
+A new user's first ``torch.compile`` of a Hugging Face ``LlamaForCausalLM``
+built from a config (random weights, sdpa, fp32), at several depths: for each
+depth, plain ``torch.compile(model)`` and ``torch.compile(model,
+backend="hilore")`` run back to back, each in a fresh process with empty
+Inductor and hilore caches. Per run: the first forward + backward's seconds
+(dynamo, tracing, hilore's planning, Inductor's codegen), the median of the
+next steps' seconds, and the kernels Inductor generated. Ratios are hilore's
+over Inductor's at the same depth, so a loaded machine moves both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: The compiles timed, in each depth's order.
+METHODS = ("inductor", "hilore")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileCostConfig:
+    """Model sizes, shape and steps of ``--compile-cost``."""
+
+    depths: tuple[int, ...] = (2, 8, 32)
+    hidden: int = 128
+    heads: int = 4
+    vocab: int = 512
+    batch: int = 2
+    seq_len: int = 256
+    #: Steps after the first, timed for the step time.
+    steps: int = 3
+    threads: int | None = None
+    #: Seconds one compile may take before it is reported as a timeout.
+    timeout_s: float = 1800.0
+
+
+#: ``--quick``: small enough for a test.
+QUICK = {"depths": (1, 2), "hidden": 32, "vocab": 64, "seq_len": 16, "steps": 1}
+
+
+def _worker(config: dict[str, Any], layers: int, method: str) -> dict[str, Any]:
+    """In a fresh process: build, compile, time the first and later steps."""
+    import torch
+    from torch._inductor import metrics
+
+    from ..models.hf import build_hf_model
+
+    if config["threads"]:
+        torch.set_num_threads(config["threads"])
+    model = build_hf_model("llama", vocab_size=config["vocab"], hidden=config["hidden"], layers=layers,
+                           heads=config["heads"], kv_heads=config["heads"], intermediate=2 * config["hidden"],
+                           max_positions=max(64, config["seq_len"]), use_cache=False)
+    ids = torch.randint(0, config["vocab"], (config["batch"], config["seq_len"]),
+                        generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model) if method == "inductor" else torch.compile(model, backend="hilore")
+
+    def step() -> float:
+        began = time.perf_counter()
+        compiled(input_ids=ids).logits.float().log_softmax(-1).pow(2).mean().backward()
+        return time.perf_counter() - began
+
+    metrics.reset()
+    first = step()
+    kernels = metrics.generated_kernel_count
+    later = [step() for _ in range(config["steps"])]
+    return {"layers": layers, "method": method, "status": "ok", "first_s": first,
+            "step_s": statistics.median(later) if later else None, "kernels": kernels}
+
+
+def _run_one(config: CompileCostConfig, layers: int, method: str) -> dict[str, Any]:
+    """One (depth, method) in its own process with empty caches; a failure is a row, not a crash."""
+    with tempfile.TemporaryDirectory(prefix="hilore-compile-cost-") as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
+               "HILORE_CACHE_DIR": os.path.join(tmp, "hilore"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+        code = (f"import json; from hilore_compiler.bench.compile_cost import _worker; "
+                f"print('RESULT ' + json.dumps(_worker({asdict(config)!r}, {layers}, {method!r})))")
+        began = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                  timeout=config.timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"layers": layers, "method": method, "status": f"timeout after {config.timeout_s:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"layers": layers, "method": method, "status": f"failed: {tail[0][:300]}"}
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "process_s": time.perf_counter() - began}
+
+
+def run_compile_cost(config: CompileCostConfig, progress=lambda message: None) -> dict[str, Any]:
+    """Every depth, Inductor then hilore back to back; the report with per-depth ratios."""
+    rows = []
+    for layers in config.depths:
+        for method in METHODS:
+            progress(f"compile-cost: {layers} layers, {method}")
+            rows.append(_run_one(config, layers, method))
+            progress(f"compile-cost: {layers} layers, {method}: {_brief(rows[-1])}")
+    return {"config": asdict(config), "rows": rows, "ratios": ratios(rows)}
+
+
+def _brief(row: dict[str, Any]) -> str:
+    return f"first {row['first_s']:.1f} s, {row['kernels']} kernels" if row.get("status") == "ok" else row["status"]
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per depth: hilore's first compile and step time over Inductor's."""
+    out = []
+    for layers in dict.fromkeys(r["layers"] for r in rows):
+        got = {r["method"]: r for r in rows if r["layers"] == layers and r.get("status") == "ok"}
+        if set(METHODS) <= set(got):
+            plain, hilore = got["inductor"], got["hilore"]
+            out.append({"layers": layers, "first_compile": hilore["first_s"] / plain["first_s"],
+                        "step": hilore["step_s"] / plain["step_s"] if plain.get("step_s") else None,
+                        "kernels": (hilore["kernels"], plain["kernels"])})
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a table: seconds and kernels per depth and method, and the ratios."""
+    lines = [f"{'layers':>6}  {'method':<9} {'first s':>8} {'step s':>8} {'kernels':>7}"]
+    for r in report["rows"]:
+        if r.get("status") != "ok":
+            lines.append(f"{r['layers']:>6}  {r['method']:<9} {r['status']}")
+            continue
+        step = "-" if r["step_s"] is None else f"{r['step_s']:.3f}"
+        lines.append(f"{r['layers']:>6}  {r['method']:<9} {r['first_s']:>8.1f} {step:>8} {r['kernels']:>7}")
+    for q in report["ratios"]:
+        step = "-" if q["step"] is None else f"{q['step']:.2f}x"
+        lines.append(f"{q['layers']:>3} layers: hilore/inductor first compile {q['first_compile']:.2f}x, "
+                     f"step {step}, kernels {q['kernels'][0]} vs {q['kernels'][1]}")
+    return "\n".join(lines)

@@ -6,6 +6,8 @@ pipeline order:
 - ``models/``        built-in Llama- and GPT-style policies (random weights).
 - ``passes/capture`` the joint graph Inductor hands its partitioner, and what min-cut saves.
 - ``passes/annotate`` saved activations -> recovery units with stable keys.
+- ``blockclasses``   layers alike up to the layer index (``passes/classes``: found on the
+  graph, one layer profiled per class; ``solver/tying``: decided by a few shared patterns).
 - ``passes/profile`` each unit's cost to store, compress or recompute (``passes/costmodel``: rooflines).
 - ``passes/tracer``  the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
 - ``sizeexpr``       sizes of B and S: a whitelisted grammar, parsed with ast, never eval'd.
@@ -24,6 +26,7 @@ pipeline order:
 - ``bench/``, ``evaluation/``  throughput/memory benchmark and fidelity checks.
 - ``distributed/``   per-block compile (``compile_blocks``), FSDP2, one plan on every rank.
 - ``codecs/``        bf16, int8, fp8: eager reference and FX graph builders.
+- ``progress``       a progress line every few seconds for planning steps that take seconds.
 - ``cli``            the ``hilore`` command.
 
 Public API: ``trace``, ``solve``, ``exposure``, ``load_trace``, ``load_plan``,

@@ -22,6 +22,8 @@ Modules in the order a run uses them:
 - ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
 - ``report``: statistics, the paper's targets, table and JSON.
 - ``plot``: the PNG, throughput against peak memory.
+- ``compile_cost``: ``--compile-cost``, first-compile seconds of plain Inductor
+  and zero-config hilore on a Hugging Face Llama at several depths.
 - ``verl_engines``, ``verl_zero``: ``--verl-zero``, verl's FSDP2 engine with
   and without hilore at shares of all-equal-reward groups.
 """

@@ -8,6 +8,7 @@ a plan is made:
                combine, the cosine target, default buckets.
 - ``mix``:     the exposure mix (samples and coefficient mass per bucket).
 - ``memory``:  the memory / time model at a shape; ``simulate`` re-checks plans.
+- ``tying``:   which units the ILP decides together: block classes, a few patterns each.
 - ``ilp``:     one ILP over all buckets (PuLP) and the min-memory ILP.
 - ``solving``: how they are solved: bucket by bucket where exact, MIP starts.
 - ``cbc``:     the CBC solver: found, run under a time limit, its bound read.

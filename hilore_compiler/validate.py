@@ -132,7 +132,8 @@ def trace_problems(trace: Any, where: str) -> list[str]:
             if not _SEGMENT.match(str(segment)):
                 problems.append(f"{where}.{name}: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
             problems += _number(value, f"{where}.{name}.{segment}", integer=True)
-    return problems + block_class_problems(trace, where)
+    # Classes compare units' structure, which needs well-formed units.
+    return problems or block_class_problems(trace, where)
 
 
 #: A backward segment's name (``vocabulary.group_of``, or ``inputs``).

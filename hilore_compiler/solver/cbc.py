@@ -114,7 +114,9 @@ def run_cbc(prob: pulp.LpProblem, *, time_limit_s: float, options: SolverOptions
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         raise NoPlanInTime(f"CBC found no plan within {time_limit_s} s "
                            f"(status {pulp.LpStatus[prob.status]}); raise the time limit")
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    # Stopped at the relative gap (``gap_rel``): PuLP says optimal, CBC's log
+    # says within the tolerance and gives the bound, which the plan then states.
+    optimal = prob.sol_status == pulp.LpSolutionOptimal and "within gap tolerance" not in text
     return CbcRun(optimal=optimal, objective=pulp.value(prob.objective) or 0.0,
                   bound=None if optimal else _lower_bound(text), seconds=seconds)
 

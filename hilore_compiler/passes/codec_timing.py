@@ -7,7 +7,7 @@ compute the kernels add: the row-wise absmax reductions, and int4's nibble
 packing, which makes int4 dearer than int8 although its payload is half as
 large. Compiled alone at ``small``'s shapes on one CPU thread, fp32 int8 costs
 1.4-1.7x its traffic and int4 1.9-3.4x; bf16 int8 2.6-2.7x, int4 3.2-3.8x
-(``bench/codec_cost.py``). Pricing by traffic made the planner prefer int4
+(a study removed in 9ccfacb: ``git show 9ccfacb^:bench/codec_cost.py``). Pricing by traffic made the planner prefer int4
 where int8 was faster.
 
 Each (codec, dtype, row length, device) is compiled once and timed on a probe

@@ -116,3 +116,14 @@ def test_per_block_compiles_share_one_backend_per_pattern():
     for group in tying.groups:
         assert len({id(compilers[i]) for i in group}) == 1
     assert len({id(c) for c in compilers}) <= layers - sum(len(g) - 1 for g in tying.groups)
+
+
+def test_progress_speaks_once_per_interval_and_always_last():
+    from hilore_compiler.progress import Ticker
+
+    now, said = [0.0], []
+    tick = Ticker(said.append, interval_s=3.0, clock=lambda: now[0])
+    for i in range(10):  # one unit a second
+        now[0] += 1.0
+        tick(f"{i + 1}/10", last=i == 9)
+    assert said == ["3/10", "6/10", "9/10", "10/10"]

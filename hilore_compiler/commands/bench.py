@@ -169,22 +169,27 @@ def run_actor(args: argparse.Namespace) -> int:
     """``--actor-update``: run, print the table, save the JSON."""
     from ..bench.actor import run_actor_bench
     from ..bench.actor_report import format_table
-    from ..jsonio import write_json_atomic
 
     config = actor_config_from_args(args)
     name = f"actor-update-{config.model}-T{config.seq_len}-{config.loss_type}.json"
     output = Path(args.output or RESULTS_DIR / name)
     report = run_actor_bench(config, _progress)
-    report["command"] = "hilore " + " ".join(sys.argv[1:])
-    print(format_table(report))
-    print(f"results: {write_json_atomic(output, report)}")
+    _save_report(report, output, format_table)
     return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
+
+
+def _save_report(report: dict, output: Path, render) -> None:
+    """Stamp the command that made ``report``, print it as a table, write it atomically."""
+    from ..jsonio import write_json_atomic
+
+    report["command"] = "hilore " + " ".join(sys.argv[1:])
+    print(render(report))
+    print(f"results: {write_json_atomic(output, report)}")
 
 
 def run_compile_cost(args: argparse.Namespace) -> int:
     """``--compile-cost``: run, print the table, save the JSON."""
     from ..bench.compile_cost import QUICK, CompileCostConfig, format_table, run_compile_cost as run_bench
-    from ..jsonio import write_json_atomic
 
     values: dict = dict(QUICK) if args.quick else {}
     values.update({k: v for k, v in (("depths", args.depths), ("threads", args.threads)) if v is not None})
@@ -192,16 +197,13 @@ def run_compile_cost(args: argparse.Namespace) -> int:
     depths = "-".join(map(str, config.depths))
     output = Path(args.output or RESULTS_DIR / f"compile-cost-llama-h{config.hidden}-l{depths}.json")
     report = run_bench(config, _progress)
-    report["command"] = "hilore " + " ".join(sys.argv[1:])
-    print(format_table(report))
-    print(f"results: {write_json_atomic(output, report)}")
+    _save_report(report, output, format_table)
     return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
 
 
 def run_zero_shares(args: argparse.Namespace) -> int:
     """``--verl-zero``: run, print the table, save the JSON."""
     from ..bench.verl_zero import QUICK, VerlZeroConfig, format_table, run_verl_zero
-    from ..jsonio import write_json_atomic
 
     values: dict = dict(QUICK) if args.quick else {}
     if args.repeats is not None:
@@ -211,9 +213,7 @@ def run_zero_shares(args: argparse.Namespace) -> int:
     config = VerlZeroConfig(**values)
     output = Path(args.output or RESULTS_DIR / f"verl-zero-h{config.hidden}-l{config.layers}.json")
     report = run_verl_zero(config)
-    report["command"] = "hilore " + " ".join(sys.argv[1:])
-    print(format_table(report))
-    print(f"results: {write_json_atomic(output, report)}")
+    _save_report(report, output, format_table)
     return 0
 
 

@@ -70,10 +70,13 @@ def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """``aten::scaled_dot_product_attention`` as ATen's CUDA path runs it, for tensors
     ``_lowered_here``; ATen's own composite for every other tensor."""
-    op = torch.ops.aten.scaled_dot_product_attention.default
+    def aten_composite(attn_mask):
+        return torch.ops.aten.scaled_dot_product_attention.default._op_dk(
+            torch._C.DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p, is_causal,
+            scale=scale, enable_gqa=enable_gqa)
+
     if not _lowered_here(query):
-        return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p,
-                         is_causal, scale=scale, enable_gqa=enable_gqa)
+        return aten_composite(attn_mask)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # ATen's convert_boolean_attn_mask, op for op, so the saved mask is the CPU graph's too.
         attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
@@ -90,8 +93,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
         needs_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, needs_lse, dropout_p, is_causal, scale=scale)[0]
-    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, query, key, value, attn_mask, dropout_p,
-                     is_causal, scale=scale, enable_gqa=enable_gqa)
+    return aten_composite(attn_mask)  # the math path, with the mask as converted above
 
 
 @contextlib.contextmanager

@@ -46,3 +46,29 @@ def test_cbc_runs_share_the_time_left():
 def test_limits_are_checked(bad):
     with pytest.raises(ValueError):
         PlanningLimits(**bad)
+
+
+def test_a_running_cbc_says_how_it_is_doing_once_per_interval(monkeypatch):
+    from hilore_compiler.solver import cbc
+    from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
+
+    # A short interval, so that a solve of well under a second is "long".
+    monkeypatch.setattr(cbc, "PROGRESS_INTERVAL_S", 0.01)
+    said: list[str] = []
+    solve(synthetic_trace(SyntheticConfig(num_layers=4)), budget="1.10x-gc", progress=said.append,
+          options=SolverOptions(tie_blocks=False))
+    lines = [s for s in said if s.startswith("solver: CBC has run")]
+    assert lines, said
+    assert all(" s of at most " in s for s in lines)
+    # Quiet without a listener: the watcher thread is only started for one.
+    quiet = cbc._LISTENER.get()
+    assert quiet is None
+
+
+def test_cbc_status_reads_the_latest_plan_and_bound_from_its_log():
+    from hilore_compiler.solver.cbc import cbc_status
+
+    assert cbc_status("", 3.2, 12).endswith("no plan yet")
+    log = ("Cbc0012I Integer solution of 607.5 found by feasibility pump\n"
+           "Cbc0010I After 100 nodes, 3 on tree, 600 best solution, best possible 594 (3.2 seconds)\n")
+    assert cbc_status(log, 6.0, 12.0) == "CBC has run 6 s of at most 12 s; a plan found, within 1.0% of optimal"

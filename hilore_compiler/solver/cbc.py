@@ -7,16 +7,27 @@ reads its status, objective and, when it stopped early, its proven bound.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pulp
 
-__all__ = ["CbcRun", "NoPlanInTime", "SolverOptions", "SolverUnavailableError", "check_cbc", "run_cbc"]
+from ..progress import PROGRESS_INTERVAL_S
+
+__all__ = ["CbcRun", "NoPlanInTime", "SolverOptions", "SolverUnavailableError", "check_cbc", "reporting",
+           "run_cbc"]
+
+#: Who hears how a running CBC is doing (``reporting``); None: nobody.
+_LISTENER: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "hilore_cbc_listener", default=None)
 
 
 class SolverUnavailableError(RuntimeError):
@@ -106,7 +117,8 @@ def run_cbc(prob: pulp.LpProblem, *, time_limit_s: float, options: SolverOptions
         if cbc is None:
             check_cbc()  # raises, saying how to get CBC
         began = time.perf_counter()
-        prob.solve(cbc)
+        with _watched(log, time_limit_s):
+            prob.solve(cbc)
         seconds = time.perf_counter() - began
         text = log.read_text() if log.exists() else ""
     if prob.status == pulp.LpStatusInfeasible:
@@ -128,3 +140,61 @@ def _lower_bound(log: str) -> float | None:
     """
     found = re.search(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.MULTILINE)
     return float(found[1]) if found else None
+
+
+@contextlib.contextmanager
+def reporting(say: Callable[[str], None]) -> Iterator[None]:
+    """While inside, every CBC run lasting over ``PROGRESS_INTERVAL_S`` tells ``say`` how it is
+    doing, once per interval: seconds spent of its limit, whether it has a plan yet, the gap proven.
+
+    A context rather than an argument, since the runs sit several solve
+    strategies below the planner that owns the progress lines.
+    """
+    token = _LISTENER.set(say)
+    try:
+        yield
+    finally:
+        _LISTENER.reset(token)
+
+
+@contextlib.contextmanager
+def _watched(log: Path, time_limit_s: float) -> Iterator[None]:
+    """Report on the CBC run writing ``log`` from a thread, while the caller waits on it."""
+    say = _LISTENER.get()
+    if say is None:
+        yield
+        return
+    done = threading.Event()
+    began = time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(PROGRESS_INTERVAL_S):
+            say(cbc_status(log.read_text() if log.exists() else "", time.monotonic() - began, time_limit_s))
+
+    thread = threading.Thread(target=watch, name="hilore-cbc-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def cbc_status(log: str, elapsed_s: float, time_limit_s: float) -> str:
+    """One progress line from what CBC has logged so far.
+
+    CBC's log reaches the file in blocks (its output is buffered), so the
+    latest plan and bound may lag a little; the seconds do not.
+    """
+    # Incumbents appear as "Integer solution of X" and, in node reports, "X best solution".
+    found = re.findall(r"Integer solution of\s+([-+0-9.eE]+)|([-+0-9.eE]+) best solution", log)
+    found = [a or b for a, b in found]
+    bounds = re.findall(r"best possible\s+([-+0-9.eE]+)", log)
+    where = f"CBC has run {elapsed_s:.0f} s of at most {time_limit_s:.0f} s"
+    if not found:
+        return f"{where}; no plan yet"
+    best = float(found[-1])
+    if bounds and best > 0:
+        gap = max(best - float(bounds[-1]), 0.0) / best
+        return f"{where}; a plan found, within {gap:.1%} of optimal"
+    return f"{where}; a plan found, improving it"

@@ -11,6 +11,7 @@ the summed risk.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, Pla
 from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, check_codecs
 from .budget import Budget, format_bytes, format_seconds, parse_budget
-from .cbc import SolverOptions, check_cbc
+from .cbc import SolverOptions, check_cbc, reporting
 from .limits import Deadline, PlanningLimits, check_units, load_bounded
 from .ilp import BucketWeight, expected_time_s
 from .solving import blind_min_time, solve_min_memory, solve_min_time
@@ -400,9 +401,10 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
     # keeps headroom for the memory model's error; a modelled one is compared
     # with the model's own prediction of GC and needs none.
     headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
-    plans, stats, collapsed = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
-                                            risk_budget=error2, options=options, gc_bytes=gc_peak_bytes,
-                                            headroom=headroom, deadline=deadline)
+    with reporting(lambda line: say(f"solver: {line}")) if progress else contextlib.nullcontext():
+        plans, stats, collapsed = solve_buckets(model, weights, budget_text=budget.text, budget_bytes=budget_bytes,
+                                                risk_budget=error2, options=options, gc_bytes=gc_peak_bytes,
+                                                headroom=headroom, deadline=deadline)
     if collapsed:
         say(collapsed)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]

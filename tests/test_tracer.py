@@ -271,3 +271,14 @@ def test_trace_command_profiles_the_policy_in_the_dtype_asked(tmp_path, capsys):
     # Calibrating it on an fp32 policy would look for units its graph does not have.
     assert cli.main(["calibrate", "--model", "tiny", "--trace", str(out), "-o", str(tmp_path / "c.json")]) != 0
     assert "traced from a bfloat16 policy and --dtype is float32" in capsys.readouterr().err
+
+
+def test_measured_times_are_summarised_in_every_trace(tiny_trace):
+    """``hilore trace`` writes what the backend plans from: medians rounded to the
+    resolution ``solver.rounding`` states, so two traces of one graph plan alike."""
+    from hilore_compiler.solver.rounding import round_seconds
+
+    times = [u.recompute_time_s for u in tiny_trace.units if u.recompute_source == "measured"]
+    times += [c.time_s for u in tiny_trace.units for c in u.codecs.values() if c.source == "measured"]
+    assert len(times) > 10
+    assert all(t == round_seconds(t) for t in times)

@@ -28,6 +28,7 @@ from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from ..progress import Ticker
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
+from ..solver.rounding import round_measured_costs
 from ..vocabulary import DEFAULT_CODECS, group_of
 
 
@@ -265,7 +266,9 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")
     device = config.cost_model.partition(":")[2] or _device_of(captures)
-    return Trace(
+    # Every trace, the backend's and ``hilore trace``'s, holds measured times
+    # summarised to a stated resolution, so that two traces of one graph plan alike.
+    return round_measured_costs(Trace(
         fingerprint=fingerprint(((u.key, u.kind, u.dtype) for u in units), (c.joint.graph for c in captures)),
         model=config.model_name, batch=batch, seq_len=seq_len, device=device,
         cost_source=config.cost_model, units=tuple(units), gc_bytes=format_size(gc_total),
@@ -276,7 +279,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         notes=config.notes + _value_notes(captures),
         output_bytes=format_size(sympy.expand(output_total)), param_bytes=param_bytes,
         partial_grad_bytes=partial_grad_bytes, block_classes=block_classes,
-    )
+    ))
 
 
 def _value_notes(captures: Sequence[GraphCapture]) -> tuple[str, ...]:

@@ -11,6 +11,9 @@ Modules in the order a run uses them:
   one-bucket, exposure-blind variant).
 - ``peers``: the planners that ship with PyTorch (activation_memory_budget's
   solvers and estimators, Inductor's fp8 saved activations) and their knobs.
+- ``offload``, ``sac_milp``: the peers that run on CUDA only: GC with its
+  checkpoints in host memory, selective AC saving to the host
+  (``MUST_CPU_OFFLOAD``), PyTorch's ``sac_milp`` over its own estimators.
 - ``worker``: one process per method, driven over a pipe: the fixed batch,
   the GRPO actor step, setup and measured steps.
 - ``search``: a grid over a peer's knob (activation_memory_budget, fp8's

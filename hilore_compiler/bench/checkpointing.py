@@ -7,10 +7,12 @@
   recomputes the rest (``sac``); ``op_selective_context_fn`` is torchtitan's
   op-level policy as it is (``sac-op``): the same, except every second
   ``aten.mm`` of a layer is recomputed.
-- ``Int8Checkpointed``/``wrap_layers_int8``: GC whose checkpoints are kept
-  int8 (``gc-int8``): each layer keeps only its input hidden states,
-  int8-encoded; its backward decodes them, recomputes the layer and
-  backpropagates through it.
+- ``KeptInputCheckpointed``: GC where each layer keeps for backward only its
+  input hidden states, in a form of the subclass's choosing; its backward
+  restores them, recomputes the layer and backpropagates through it.
+  ``Int8Checkpointed``/``wrap_layers_int8`` keep them int8-encoded
+  (``gc-int8``); ``offload.OffloadCheckpointed`` in pinned host memory
+  (``gc-offload``).
 """
 
 from __future__ import annotations
@@ -120,14 +122,14 @@ def op_selective_context_fn() -> Callable[[], Any]:
     return functools.partial(_op_sac_contexts, _sac_save_ops())
 
 
-class Int8Checkpointed(nn.Module):
+class KeptInputCheckpointed(nn.Module):
     """Runs the wrapped decoder layer keeping for backward only its input hidden states,
-    int8-encoded (``codecs.INT8``: row-wise absmax, one fp32 scale per row).
+    in the form a subclass's ``keep`` gives them (int8 codes, a host copy).
 
-    The forward is exact (the layer runs on the input itself). Backward decodes
-    the input, recomputes the layer with grad enabled and backpropagates
-    through it: parameters' gradients accumulate there, as in reentrant
-    ``torch.utils.checkpoint``, and as there the step must call
+    The forward is exact (the layer runs on the input itself). Backward
+    ``restore``s the input, recomputes the layer with grad enabled and
+    backpropagates through it: parameters' gradients accumulate there, as in
+    reentrant ``torch.utils.checkpoint``, and as there the step must call
     ``.backward()`` (not ``torch.autograd.grad``) and the hidden states must
     require grad. The RNG state is restored before the recompute, as there
     (compiled layers too draw the same dropout masks in the recompute: checked
@@ -136,48 +138,79 @@ class Int8Checkpointed(nn.Module):
     gradients).
     The layer's other arguments (Llama's rotary cos/sin) are kept as they are.
 
-    Non-finite input takes the codec's in-graph fallback
-    (``Codec.encode_unchecked``, no host sync per layer): its row decodes to
-    NaN and so does the gradient, as store-all's would be.
-
-    ``compiled``: the layer, the encode and the decode each run
-    ``torch.compile``d (Inductor), so the layers' compute is as fast as the
-    other methods'. ``forward`` itself stays out of dynamo: the
-    autograd.Function's backward runs a nested ``torch.autograd.backward``,
-    which dynamo cannot trace, so a compiled model breaks its graph around
-    every layer and compiles the code between layers on its own.
+    ``compiled``: the layer runs ``torch.compile``d (Inductor), so the layers'
+    compute is as fast as the other methods'. ``forward`` itself stays out of
+    dynamo: the autograd.Function's backward runs a nested
+    ``torch.autograd.backward``, which dynamo cannot trace, so a compiled model
+    breaks its graph around every layer and compiles the code between layers
+    on its own.
     """
 
     def __init__(self, layer: nn.Module, compiled: bool = True) -> None:
         super().__init__()
         self.layer = layer
-        wrap = torch.compile if compiled else (lambda fn: fn)
-        # Plain attributes, not submodules: the parameters stay listed once, under ``layer``.
-        self.run = wrap(layer.forward)
-        self.encode = wrap(INT8.encode_unchecked)
-        self.decode = wrap(INT8.decode)
+        # A plain attribute, not a submodule: the parameters stay listed once, under ``layer``.
+        self.run = _compiled(layer.forward, compiled)
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What backward keeps of the layer input ``x``."""
+        raise NotImplementedError
+
+    def restore(self, kept: tuple[torch.Tensor, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The layer input again, from what ``keep`` gave."""
+        raise NotImplementedError
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        return _Int8Checkpoint.apply(self, x, *args)
+        return _KeptInputCheckpoint.apply(self, x, *args)
 
 
-class _Int8Checkpoint(torch.autograd.Function):
-    """One layer under a reentrant-style checkpoint whose kept input is int8."""
+def _compiled(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+    return torch.compile(fn) if compiled else fn
+
+
+class Int8Checkpointed(KeptInputCheckpointed):
+    """``KeptInputCheckpointed`` keeping the layer input int8-encoded (``codecs.INT8``:
+    row-wise absmax, one fp32 scale per row); ``compiled`` compiles the encode and
+    the decode too.
+
+    Non-finite input takes the codec's in-graph fallback
+    (``Codec.encode_unchecked``, no host sync per layer): its row decodes to
+    NaN and so does the gradient, as store-all's would be.
+    """
+
+    def __init__(self, layer: nn.Module, compiled: bool = True) -> None:
+        super().__init__(layer, compiled)
+        self.encode = _compiled(INT8.encode_unchecked, compiled)
+        self.decode = _compiled(INT8.decode, compiled)
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.encode(x)  # (B, T, C) int8, (B, T, 1) fp32
+
+    def restore(self, kept: tuple[torch.Tensor, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.decode(kept, dtype)
+
+
+class _KeptInputCheckpoint(torch.autograd.Function):
+    """One layer under a reentrant-style checkpoint that keeps its input as ``owner.keep`` says."""
 
     @staticmethod
-    def forward(ctx: Any, owner: Int8Checkpointed, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, owner: KeptInputCheckpointed, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         # Autograd is off in a Function's forward: the layer keeps nothing for backward.
-        ctx.owner, ctx.dtype, ctx.rng = owner, x.dtype, _rng_state(x.device)
+        ctx.owner, ctx.dtype, ctx.device, ctx.rng = owner, x.dtype, x.device, _rng_state(x.device)
         out = owner.run(x, *args)  # (B, T, C), exact
-        q, scale = owner.encode(x)  # (B, T, C) int8, (B, T, 1) fp32
-        ctx.save_for_backward(q, scale, *args)
+        kept = owner.keep(x)
+        ctx.n_kept = len(kept)
+        ctx.save_for_backward(*kept, *args)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, scale, *args = ctx.saved_tensors
-        x = ctx.owner.decode((q, scale), ctx.dtype).requires_grad_(ctx.needs_input_grad[1])
+        saved = ctx.saved_tensors
+        kept, args = saved[:ctx.n_kept], saved[ctx.n_kept:]
+        # detach: ``restore`` may hand back a saved tensor itself (a host copy already on the
+        # layer's device), which must not be the leaf whose grad this backward reads.
+        x = ctx.owner.restore(kept, ctx.dtype, ctx.device).detach().requires_grad_(ctx.needs_input_grad[1])
         args = [a.detach().requires_grad_(need) for a, need in zip(args, ctx.needs_input_grad[2:])]
         cuda = [x.device] if x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.enable_grad():
@@ -201,4 +234,10 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 def wrap_layers_int8(model: nn.Module, compiled: bool = True) -> nn.Module:
     """Put every ``model.layers[i]`` under ``Int8Checkpointed``, in place; parameter order is kept."""
-    return _wrap_layers(model, lambda layer: Int8Checkpointed(layer, compiled))
+    return wrap_layers_kept(model, Int8Checkpointed, compiled)
+
+
+def wrap_layers_kept(model: nn.Module, kind: type[KeptInputCheckpointed], compiled: bool = True) -> nn.Module:
+    """Put every ``model.layers[i]`` under ``kind`` (a ``KeptInputCheckpointed``), in place;
+    parameter order is kept."""
+    return _wrap_layers(model, lambda layer: kind(layer, compiled))

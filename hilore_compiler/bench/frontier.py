@@ -7,8 +7,8 @@ once, as ``runner.run_bench`` does, and placed at every ceiling; whether they
 fit one is read from their measured peaks (``frontier_report.py``). The
 budgeted methods are planned or searched at each ceiling:
 
-- ``hilore``, ``hilore-blind``, ``int8-recompute``, ``hilore-step``: one worker per ceiling, planned
-  at ``<c>x-gc`` of the measured GC peak (``launcher.REFERENCE_GC``). A plan
+- ``hilore``, ``hilore-blind``, ``int8-recompute``, ``hilore-step``, ``sac-milp``: one worker per
+  ceiling, planned at ``<c>x-gc`` of the measured GC peak (``launcher.REFERENCE_GC``). A plan
   the solver cannot fit is a point that does not fit, with the smallest
   budget it could meet. A plan whose measured peak is over the ceiling is
   planned again, at a budget lowered by the overshoot (``REFITS`` times at
@@ -40,14 +40,15 @@ from typing import Any
 
 from .calibrate import calibrate_cached_trace
 from .launcher import REFERENCE_GC, SAME_PLAN, Launcher
-from .methods import METHODS, STEP_METHODS
+from .methods import HILORE_BACKENDS, METHODS, STEP_METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, warm_peak, warm_seconds
 from .runner import BenchConfig, measure_all, new_launcher, predict_baselines
 from .peers import SEARCHED, hidden_state_mb, knob_name, probe_grid
+from .sac_milp import METHOD as SAC_MILP
 from .search import Probe, choose
 
 #: Methods planned (or searched, ``peers.SEARCHED``) at each ceiling; the others are placed where they fall.
-BUDGETED = ("hilore", "hilore-blind", "int8-recompute", *SEARCHED, "hilore-step")
+BUDGETED = ("hilore", "hilore-blind", "int8-recompute", SAC_MILP, *SEARCHED, "hilore-step")
 
 #: How many times a planned point whose measured peak is over its ceiling is planned again.
 REFITS = 2
@@ -110,7 +111,8 @@ def run_frontier(config: BenchConfig, progress: Progress) -> FrontierRun:
         for method in (m for m in METHODS if m in config.methods and m not in BUDGETED):
             runs[method] = launcher.start(method)
             points += [Point(method=method, ceiling=c, run=method, status=MEASURED) for c in config.ceilings]
-        planned = [m for m in METHODS if m in config.methods and m in BUDGETED and m not in SEARCHED]
+        # Calibration is of HiLoRe's trace: only the hilore backends make one.
+        planned = [m for m in METHODS if m in config.methods and m in BUDGETED and m in HILORE_BACKENDS]
         if config.calibrate and planned:
             calibrate_cached_trace(launcher, planned[0], max(config.ceilings))
         for method in (m for m in METHODS if m in config.methods and m in BUDGETED):

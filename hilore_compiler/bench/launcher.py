@@ -34,9 +34,10 @@ SAME_PLAN = "same plan"
 #: ``same_plan(info)``: the name of a run already measured with the plan ``info`` describes, or None.
 SamePlan = Callable[[dict[str, Any]], "str | None"]
 
-#: The GC method whose measured peak each HiLoRe method's ``x-gc`` budget
+#: The GC method whose measured peak each planned method's ``x-gc`` budget
 #: refers to: the one that runs the same step (eager or compiled loss).
-REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "int8-recompute": "gc", "hilore-step": "gc-chunked"}
+REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "int8-recompute": "gc", "sac-milp": "gc",
+                "hilore-step": "gc-chunked"}
 
 
 class Launcher:

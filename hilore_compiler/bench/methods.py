@@ -18,6 +18,9 @@ in what the backward pass gets to keep:
   kept int8 (``checkpointing.Int8Checkpointed``: reentrant-style, the layers
   compiled one by one and the model between them, with a graph break
   around each layer).
+- CUDA only: ``gc-offload``, GC with its checkpoints in pinned host memory, and
+  ``sac-offload``, ``sac-op`` saving to the host (``offload.py``); ``sac-milp``,
+  PyTorch's ``sac_milp`` planned at ``hilore_budget`` (``sac_milp.py``).
 - ``pt-budget`` and its solver variants (``pt-budget-greedy``, ``-ilp``,
   ``-knee``, ``-profile``), and ``inductor-fp8``: the planners that ship with
   PyTorch (``peers.py``): plain ``torch.compile`` under the config patch that
@@ -40,7 +43,8 @@ in what the backward pass gets to keep:
   bucket: int8/bf16 compression mixed with recompute, blind to exposure;
   the strongest exposure-blind competitor at HiLoRe's memory.
 
-``sac-op``, ``sac-layer2``, ``gc-int8`` and ``int8-recompute`` run only when named with ``--methods``.
+``sac-op``, ``sac-layer2``, ``gc-int8``, ``int8-recompute`` and the CUDA-only peers run only when named with
+``--methods``.
 
 The token log-probs and the GRPO loss run eagerly after the compiled policy,
 as ``grpo.actor_update`` runs them, identically for every method, except in
@@ -72,14 +76,17 @@ from torch import nn
 
 from ..planfile import Plan
 from ..vocabulary import to_plan_exposure
-from . import peers
+from . import offload, peers, sac_milp
 from .checkpointing import op_selective_context_fn, selective_context_fn, wrap_layers, wrap_layers_int8
 
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
-METHODS = ("store-all", "gc", "sac", "sac-op", "sac-layer2", "gc-int8", "hilore", "hilore-blind", "uniform-int8",
-           "int8-recompute", *peers.SEARCHED, "gc-chunked", "hilore-step")
+METHODS = ("store-all", "gc", "sac", "sac-op", "sac-layer2", "gc-int8", *offload.METHODS, "hilore", "hilore-blind",
+           "uniform-int8", "int8-recompute", sac_milp.METHOD, *peers.SEARCHED, "gc-chunked", "hilore-step")
+
+#: Methods that refuse a CPU device, each saying why when prepared.
+CUDA_ONLY = (*offload.METHODS, sac_milp.METHOD, *(m for m, s in peers.PT_BUDGETS.items() if s.needs_cuda))
 
 #: Methods that run the whole actor step compiled as one graph (``grpo.compiled_step``).
 STEP_METHODS = ("gc-chunked", "hilore-step")
@@ -96,6 +103,8 @@ LABELS = {
     "sac-op": "selective AC (op, torchtitan)",
     "sac-layer2": "selective AC (every 2nd layer)",
     "gc-int8": "GC + int8 checkpoints",
+    **offload.LABELS,
+    sac_milp.METHOD: sac_milp.LABEL,
     **peers.LABELS,
     "uniform-int8": "uniform int8",
     "int8-recompute": "int8 + recompute",
@@ -180,6 +189,8 @@ class PreparedMethod:
     #: Step methods: the compiled ``step(input_ids, old_logprobs, advantages,
     #: mask) -> loss`` that replaces ``policy`` plus the eager loss.
     step: Callable[..., torch.Tensor] | None = None
+    #: What the method decided, for the worker's record, read after the first call (``sac-milp``'s plan).
+    record: Callable[[], dict[str, Any]] = dict
 
 
 def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0, **terms: Any) -> Plan:
@@ -296,6 +307,12 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, every=2)))
     if name == "gc-int8":
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers_int8(model)))
+    if name in offload.METHODS:
+        policy, context = offload.prepare(name, model)
+        return PreparedMethod(name=name, policy=policy, compile_context=context)
+    if name == sac_milp.METHOD:
+        policy = sac_milp.prepare(model, options.hilore_budget, options.gc_peak_bytes, loss_config)
+        return PreparedMethod(name=name, policy=policy, record=policy.record)
     if name in peers.SEARCHED:
         # The config patch is read when the first call compiles; it is per
         # process anyway, as every method runs in its own.

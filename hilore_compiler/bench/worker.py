@@ -204,6 +204,7 @@ class Worker:
         if self.config.method in SEARCHED:
             knob = knob_name(self.config.method)
             info[knob] = getattr(self.config.options, knob)
+        info.update(self.prepared.record())
         return info
 
 

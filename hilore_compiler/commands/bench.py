@@ -20,7 +20,7 @@ RESULTS_DIR = Path("bench") / "results"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench.actor import ACTOR_METHODS
-    from ..bench.methods import METHODS
+    from ..bench.methods import CUDA_ONLY, METHODS
     from ..bench.runner import BenchConfig, QUICK
     from ..models import DTYPES
 
@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"alternating rounds after every set-up, before the counted ones, not counted "
                         f"(default {d.settle_rounds})")
     p.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} "
-                                     f"(default {','.join(d.methods)}); with --actor-update of "
+                                     f"(default {','.join(d.methods)}; CUDA only: {','.join(CUDA_ONLY)}); "
+                                     f"with --actor-update of "
                                      f"{','.join(ACTOR_METHODS)} (default all)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"(default {d.device})")
     p.add_argument("--dtype", choices=DTYPES,
@@ -87,8 +88,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ceilings", type=ceiling_list,
                    help="the memory-speed frontier: comma-separated memory ceilings as multiples of GC's "
                         "measured peak, e.g. 0.8,1.0,1.1,1.5x-gc; each budgeted method (hilore, hilore-blind, "
-                        "int8-recompute, hilore-step; pt-budget*, inductor-fp8 over their probes) is planned or "
-                        "searched at each, the others placed where "
+                        "int8-recompute, hilore-step, sac-milp; pt-budget*, inductor-fp8 over their probes) is "
+                        "planned or searched at each, the others placed where "
                         "their peaks fall; a per-ceiling table and frontier-<model>-T<len>.{json,png}")
     p.add_argument("--calibrate", action="store_true",
                    help="with --ceilings: plan from a trace calibrated per unit (hilore calibrate --per-unit, "

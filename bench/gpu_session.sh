@@ -4,7 +4,7 @@
 # runs here in order of what the next step needs, each step under its own
 # time limit, and whatever finished is in $OUT even if a later step did not.
 #
-#   1. install: pulp and setuptools from the wheels carried in .whl/ (the
+#   1. install: pulp, setuptools and pwlf from the wheels carried in .whl/ (the
 #      GPU machine has no package index), then this checkout, editable, so
 #      that backend="hilore" is registered; the editable install builds
 #      with the machine's own setuptools, which needs bdist_wheel
@@ -17,20 +17,28 @@
 #   3. the frontier at 1.0x and 1.1x GC on TinyLlama-1.1B's shapes in bf16
 #      (the configuration GPU.md's baseline figures were measured at);
 #   4. tests/test_cuda.py: the backend, every codec, recompute with dropout,
-#      a Hugging Face Llama and a bench worker, strict, on CUDA;
-#   5. the backend tests on that machine's torch, if time is left.
+#      a Hugging Face Llama and a bench worker, strict, on CUDA; and
+#      tests/test_cuda_peers.py: the CUDA-only peers on the tiny model, each
+#      step's gradient against store-all's and the offloads' peaks below
+#      GC's and sac-op's (eager or without Inductor: seconds);
+#   5. the CUDA-only peers (gc-offload, sac-offload, sac-milp) on the same
+#      frontier as 3, in a bench of their own, in the time left;
+#   6. the backend tests on that machine's torch, if time is left.
 #
 # Before the session, from the repository root on a machine with the index:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux2014_x86_64 -d .whl pulp==3.3.2 setuptools==80.9.0
+#   python3 -m pip download --no-deps -d .whl pwlf==2.7.0
+#
+# (pwlf: sac-milp's trade-off fit; the machine has the numpy and scipy it imports.)
 #
 # then run it with the device tool: command `bash bench/gpu_session.sh`,
 # carry [".whl"], timeout 600. Results: $OUT/session.log (what ran, how
-# long), $OUT/env.txt, $OUT/{bench,test_cuda,backend_tests}.log, the bench's JSON
-# and PNG, and $OUT/worker-logs/ where a bench method failed.
+# long), $OUT/env.txt, $OUT/{bench,cuda_peers,test_cuda,backend_tests}.log, the benches'
+# JSON and PNG, and $OUT/worker-logs/ where a bench method failed.
 # GPU_SESSION_SECONDS (default 480: 8 minutes) bounds the whole script; BENCH_ARGS
-# replaces the bench's arguments.
+# and PEERS_ARGS replace the two benches' arguments (PEERS_ARGS=none skips the second).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
@@ -71,6 +79,7 @@ log "start; $(left)s to go"
                  torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1
     python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
     python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
+    python3 -c 'import scipy; print("scipy", scipy.__version__)' 2>&1
     git log -1 --format='commit %H %s' 2>&1
 } >"$OUT/env.txt"
 tee -a "$OUT/session.log" <"$OUT/env.txt"
@@ -79,6 +88,7 @@ if ! ls .whl/pulp-*.whl .whl/setuptools-*.whl >/dev/null 2>&1; then
     log "no .whl/pulp-*.whl or .whl/setuptools-*.whl: download both first (see the top of this script) and carry .whl"
     exit 2
 fi
+ls .whl/pwlf-*.whl >/dev/null 2>&1 || log "no .whl/pwlf-*.whl: sac-milp will fail (it needs pwlf; see the top of this script)"
 SITE=${TMPDIR:-/tmp}/hilore-site
 step install 120 bash -c "python3 -m pip install -q --no-index --no-deps --target '$SITE' .whl/*.whl && \
     PYTHONPATH='$SITE' python3 -m pip install -q --no-index --no-deps --no-build-isolation -e ." || exit 3
@@ -99,13 +109,35 @@ read -r -a bench_args <<<"${BENCH_ARGS:---device cuda --dtype bfloat16 --model t
 -o $OUT/frontier-tinyllama-8l-bf16-cuda.json}"
 step bench 270 python3 -m hilore_compiler bench "${bench_args[@]}"
 bench_rc=$?
-# A failed method's worker log stays in the run folder the bench names.
-mkdir -p "$OUT/worker-logs"
-cp "${TMPDIR:-/tmp}"/hilore-bench-*/*.log "$OUT/worker-logs/" 2>/dev/null
+# A failed method's worker log stays in the run folder the bench names
+# (hilore-frontier-* for a run with --ceilings).
+copy_worker_logs() {
+    mkdir -p "$OUT/worker-logs"
+    cp "${TMPDIR:-/tmp}"/hilore-bench-*/*.log "${TMPDIR:-/tmp}"/hilore-frontier-*/*.log "$OUT/worker-logs/" 2>/dev/null
+}
+copy_worker_logs
 
-step test_cuda 150 "${PYTEST[@]}" tests/test_cuda.py tests/test_measure.py
+step test_cuda 150 "${PYTEST[@]}" tests/test_cuda.py tests/test_measure.py tests/test_cuda_peers.py
 tests_rc=$?
+
+# The peers of issue 53 that run on CUDA only, in a bench of their own so that
+# neither their failure nor a time-out loses the frontier above, and after the
+# tests so that they take only the time the steps before them leave (the
+# tests above check them on the tiny model first): GC (the reference),
+# gc-offload and sac-offload (fixed: one compile each) and sac-milp (planned
+# at each ceiling: PyTorch's estimators on fake tensors, a pwlf fit and a CBC
+# solve, then a compile): five workers at about 30 s each, 3 rounds, no
+# settling round.
+read -r -a peers_args <<<"${PEERS_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
+--ceilings 1.0,1.1 --methods gc,gc-offload,sac-offload,sac-milp --repeats 3 --warmup 1 --settle-rounds 0 \
+-o $OUT/frontier-tinyllama-8l-bf16-cuda-peers.json}"
+peers_rc=skipped
+if [[ ${peers_args[0]:-none} != none ]]; then
+    step cuda_peers 180 python3 -m hilore_compiler bench "${peers_args[@]}"
+    peers_rc=$?
+    copy_worker_logs
+fi
 
 step backend_tests 120 "${PYTEST[@]}" tests/test_backend.py tests/test_any_graph.py
 
-log "done: test_cuda exit $tests_rc, bench exit $bench_rc; $(left)s left"
+log "done: test_cuda exit $tests_rc, bench exit $bench_rc, cuda_peers exit $peers_rc; $(left)s left"

@@ -13,6 +13,8 @@ a plan is made:
 - ``solving``: how they are solved: bucket by bucket where exact, MIP starts.
 - ``cbc``:     the CBC solver: found, run under a time limit, its bound read.
 - ``planner``: ``solve`` ties them together and verifies every answer.
+- ``assembly``: decisions into a plan's records (bucket shares, each bucket's
+               re-simulated predictions, the unit table), for solved and fixed plans alike.
 - ``lengths``: plans that hold over a range of sequence lengths, and length buckets.
 - ``fixed``:   plans with given decisions (baselines, controls), checked the
                same way; the one uniform-plan builder.
@@ -21,13 +23,14 @@ a plan is made:
 """
 
 from ..planfile import BucketSpec
+from .assembly import predicted_error
 from .budget import Budget, format_bytes, parse_budget
 from .cbc import SolverOptions, SolverUnavailableError
 from .fixed import fixed_plan, uniform_codec
 from .memory import CostModel, Prediction, cost_model, simulate
 from .pareto import ParetoCurve, ParetoPoint, pareto_curve
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, save_exposure_mix
-from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, infeasible_cause, predicted_error, solve
+from .planner import DEFAULT_BUDGET, InfeasibleBudgetError, infeasible_cause, solve
 from .risk import (
     DEFAULT_NUM_BUCKETS,
     DEFAULT_RISK_BUDGET,

@@ -18,7 +18,8 @@ from ..tracefile import Trace
 from ..vocabulary import STORE, compress
 from .memory import UnitCost, rule_violations
 from .mix import zero_share
-from .planner import bucket_plan, mix_exposures, plan_units, planned_shares, prepare, skip_bucket
+from .assembly import bucket_plan, mix_exposures, plan_units, planned_shares, skip_bucket
+from .planner import prepare
 from .risk import DEFAULT_NUM_BUCKETS, bucket_specs
 
 #: ``decide``: a function of a unit (at the planned shape) -> option, used in

@@ -6,7 +6,8 @@ budget for the whole update (``risk.py``), weighted by a batch's exposure mix
 plans are solved first (they decide feasibility and name the smallest feasible
 budget). The solver's answer is not trusted: each bucket's plan is
 re-simulated with the same model (``memory.simulate``) and checked, and so is
-the summed risk.
+the summed risk. The plan's records are written as a fixed plan's are
+(``assembly.py``).
 """
 
 from __future__ import annotations
@@ -17,27 +18,23 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
+from ..planfile import BucketSpec, Plan, SolverStats
 from ..tracefile import Trace
-from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, check_codecs
+from ..vocabulary import check_codecs
+from .assembly import bucket_plan, bucket_summary, mix_exposures, plan_units, planned_shares, skip_bucket
 from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc, reporting
 from .limits import Deadline, PlanningLimits, check_units, load_bounded
 from .ilp import BucketWeight, expected_time_s
 from .solving import blind_min_time, solve_min_memory, solve_min_time
 from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
-from .mix import bucket_shares, default_exposure_mix, load_exposure_mix, zero_share
+from .mix import zero_share
 from .risk import (
     DEFAULT_NUM_BUCKETS,
     DEFAULT_RISK_BUDGET,
-    PROXY_FACTOR,
-    PROXY_LAYERS,
-    BucketShare,
-    bucket_specs,
     format_error,
     parse_risk_budget,
     plan_risk,
-    zero_bucket,
 )
 
 DEFAULT_BUDGET = "1.10x-gc"
@@ -127,15 +124,6 @@ def verify_risk(model: CostModel, plans: Mapping[str, Mapping[str, str]],
         raise RuntimeError(f"solver plans have error {format_error(sum(risks.values()))}, over the "
                            f"error budget {format_error(risk_budget)}")
     return risks
-
-
-def _proxy_note(model: CostModel) -> tuple[bool, tuple[str, ...]]:
-    pairs = [c.proxy for u in model.units for c in u.codecs.values()]
-    if not any(pairs):
-        return False, ()
-    return True, (f"sensitivity of {sum(pairs)} of {len(pairs)} (unit, codec) pairs is the proxy "
-                  f"gain(kind) x rel_l2 x sqrt({PROXY_LAYERS} / layers), gains measured on the small "
-                  f"policy, {PROXY_FACTOR} for other kinds (risk.py); calibrate the trace to measure it",)
 
 
 #: The share of a budget relative to a *measured* GC peak (``gc_peak_bytes``)
@@ -267,68 +255,6 @@ def buckets_that_pay(model: CostModel, weights: Sequence[BucketWeight], plans: d
     return {k: dict(v) for k, v in blind.items()}, note
 
 
-def bucket_plan(model: CostModel, share: BucketShare, decisions: Mapping[str, str], *,
-                solver: SolverStats | None, notes: tuple[str, ...] = ()) -> BucketPlan:
-    """One bucket's record: decisions in trace order and their re-simulated predictions."""
-    prediction = simulate(model, decisions)
-    proxy, proxy_notes = _proxy_note(model)
-    return BucketPlan(
-        bucket=share.spec, skip=False, decisions=tuple((u.key, decisions[u.key]) for u in model.units),
-        memory_bytes=prediction.memory_bytes, kept_bytes=prediction.kept_bytes,
-        transient_bytes=prediction.transient_bytes, time_s=prediction.time_s,
-        risk=plan_risk(model, decisions, share.error), proxy_sensitivity=proxy,
-        notes=(*notes, *proxy_notes), solver=solver, sample_share=share.samples, mass_share=share.mass,
-        error_share=share.error, peak_at=prediction.peak.at,
-        peak_parts={name: getattr(prediction.peak, name) for name in PEAK_PARTS},
-    )
-
-
-def skip_bucket(samples: float | None = None) -> BucketPlan:
-    """The zero bucket's record: no backward, no decisions."""
-    return BucketPlan(bucket=zero_bucket(), skip=True, decisions=(), memory_bytes=0, kept_bytes=0,
-                      transient_bytes=0, time_s=0.0, risk=0.0, proxy_sensitivity=False, solver=None,
-                      notes=("exposure 0: the sample reaches no parameter, backward is skipped",),
-                      sample_share=samples, mass_share=None if samples is None else 0.0,
-                      error_share=None if samples is None else 0.0)
-
-
-def plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
-    """Each unit's size and option costs at the planned shape, as the plan file repeats them."""
-    return tuple(
-        PlanUnit(key=u.key, layer=u.layer, kind=u.kind, bytes=u.bytes, options=tuple(
-            OptionCost(option=o, bytes=u.kept_bytes(o), time_s=u.time_s(o)) for o in u.options))
-        for u in model.units
-    )
-
-
-def _summary(b: BucketPlan) -> str:
-    counts: dict[str, int] = {}
-    for _, option in b.decisions:
-        kind = "compress" if option.startswith(COMPRESS_PREFIX) else option
-        counts[kind] = counts.get(kind, 0) + 1
-    mix = ", ".join(f"{counts.get(k, 0)} {k}" for k in (STORE, "compress", RECOMPUTE))
-    return (f"bucket {b.bucket.name} (samples {b.sample_share:.0%}, mass {b.mass_share:.0%}, "
-            f"error share {b.error_share:.0%}): "
-            f"memory {format_bytes(b.memory_bytes)}, recovery {format_seconds(b.time_s)}, "
-            f"{format_error(b.risk, cosine=False)} ({mix})")
-
-
-def mix_exposures(exposure_mix: Sequence[float] | str | os.PathLike | None) -> tuple[float, ...]:
-    """The exposure mix to plan for: given, read from a file, or GRPO's default."""
-    if exposure_mix is None:
-        return default_exposure_mix()
-    if isinstance(exposure_mix, (str, os.PathLike)):
-        return load_exposure_mix(exposure_mix)
-    return tuple(float(x) for x in exposure_mix)
-
-
-def planned_shares(buckets: int | Sequence[BucketSpec | tuple], exposures: Sequence[float],
-                   gradient_exposures: Sequence[float] | None = None) -> list[BucketShare]:
-    """Each bucket's share of the mix (``mix.bucket_shares``), lowest range first."""
-    return sorted(bucket_shares(bucket_specs(buckets, exposures), exposures, gradient_exposures),
-                  key=lambda s: s.spec.lo)
-
-
 def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_BUDGET,
           risk_budget: float | str | None = DEFAULT_RISK_BUDGET,
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
@@ -409,7 +335,7 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         say(collapsed)
     solved = [bucket_plan(model, s, plans[s.spec.name], solver=stats) for s in shares]
     for b in solved:
-        say(_summary(b))
+        say(bucket_summary(b))
     total = sum(b.risk for b in solved)
     say(f"{stats.status} in {stats.seconds:.2f} s; predicted error of the whole update "
         f"{format_error(total)}")
@@ -438,7 +364,3 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         buckets=(skip_bucket(zero_share(exposures)), *solved), units=plan_units(model), notes=tuple(notes),
     )
 
-
-def predicted_error(plan: Plan) -> float:
-    """The plan's predicted relative gradient error of the whole update: sqrt(sum of bucket risks)."""
-    return math.sqrt(sum(b.risk for b in plan.buckets if not b.skip))

@@ -233,12 +233,12 @@ def test_cost_model_option_takes_measured_or_a_known_gpu_roofline():
 def test_a_roofline_zero_config_plan_runs_nothing_while_planning(tmp_path, monkeypatch):
     """cost_model='roofline:...' plans from shapes alone: no unit's region is re-run
     and the forward is not recorded, yet every unit gets a decision."""
-    import hilore_compiler.passes.capture as capture
+    import hilore_compiler.passes.values as values
 
     def no_recording(*args, **kwargs):
         raise AssertionError("a roofline plan recorded forward values")
 
-    monkeypatch.setattr(capture._ForwardRecorder, "run", no_recording)
+    monkeypatch.setattr(values._ForwardRecorder, "run", no_recording)
     model = build_model("tiny")
     backend = HiLoReBackend({"cost_model": "roofline:h100", "cache_dir": str(tmp_path), "strict": True,
                              "verbose": False, "buckets": 1})

@@ -20,11 +20,12 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_fqn
-from .capture import GraphCapture, capture_joint_graphs, meta_values
+from .capture import GraphCapture, capture_joint_graphs
 from .allocator import default_allocator
 from .classes import profile_by_class, unit_classes
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
+from .values import meta_values
 from ..progress import Ticker
 from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
@@ -194,7 +195,7 @@ def trace(
         config = dataclasses.replace(config, notes=config.notes + (
             "traced at batch 2 from a batch-1 example: a size-1 batch would be specialised and lose B",))
         say("batch 1 doubled to 2 so that sizes keep the batch symbol B")
-    # Roofline costs read shapes alone (``capture.meta_values``): nothing is run.
+    # Roofline costs read shapes alone (``values.meta_values``): nothing is run.
     captures = capture_joint_graphs(model, example_inputs, loss_fn or default_loss, dynamic=config.dynamic,
                                     example_kwargs=example_kwargs, record_values=config.cost_model == "measured")
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")

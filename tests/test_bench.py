@@ -17,14 +17,12 @@ from hilore_compiler.bench.measure import StepSample
 from hilore_compiler.bench.methods import (
     METHODS,
     MethodOptions,
-    choose_bucket,
-    plan_summary,
     prepare_method,
-    step_cosines,
     uniform_plan,
     wrap_layers,
 )
 from hilore_compiler.bench.paired import geometric_interval, paired_ratio, t_quantile_975
+from hilore_compiler.bench.plans import choose_bucket, plan_summary, step_cosines
 from hilore_compiler.bench.report import Spread, summarise, to_json
 from hilore_compiler.bench.launcher import PEAK_STEPS
 from hilore_compiler.bench.rounds import MethodRun

@@ -9,6 +9,8 @@ Modules in the order a run uses them:
 - ``methods``: how each method compiles the policy (store-all, GC, selective
   AC, PyTorch's memory-budget partitioner, uniform int8, HiLoRe and its
   one-bucket, exposure-blind variant).
+- ``plans``: what a hilore method planned, as its worker reads it: the
+  bucket a batch runs under, the plan's record and digests, a step's cosine bound.
 - ``peers``: the planners that ship with PyTorch (activation_memory_budget's
   solvers and estimators, Inductor's fp8 saved activations) and their knobs.
 - ``offload``, ``sac_milp``: the peers that run on CUDA only: GC with its

@@ -82,7 +82,7 @@ class MethodStats:
     #: Measured peak within MEMORY_CEILING x GC's (None without both peaks).
     fits_ceiling: bool | None = None
     #: The cosine the plan predicts for this step's bucket, and the one its
-    #: risk budget leaves that bucket (``methods.step_cosines``); None: no plan.
+    #: risk budget leaves that bucket (``plans.step_cosines``); None: no plan.
     predicted_cosine: float | None = None
     cosine_bound: float | None = None
 
@@ -155,7 +155,7 @@ def _cosine(name: str, s: MethodStats | None, missing: str) -> Target:
 
     A step that runs one exposure bucket alone may spend that bucket's share
     of the update's error budget: its bound is ``risk_budget / error_share``
-    (``methods.step_cosines``), MIN_COSINE for the exposure-blind plan and
+    (``plans.step_cosines``), MIN_COSINE for the exposure-blind plan and
     for methods without a plan.
     """
     bound = s.cosine_bound if s and s.cosine_bound is not None else MIN_COSINE

@@ -34,9 +34,9 @@ from ..models import build_model, token_logprobs
 from ..solver import infeasible_cause
 from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
                       plan_loss_ratio)
-from .methods import (HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, choose_bucket, plan_summary,
-                      prepare_method, step_cosines, tuned_step)
+from .methods import HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, prepare_method, tuned_step
 from .peers import SEARCHED, knob_name
+from .plans import choose_bucket, plan_summary, step_cosines
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

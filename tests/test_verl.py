@@ -5,7 +5,8 @@ One spawn of two ranks trains verl's own ``FSDPEngineWithLMHead`` and then
 zero-exposure samples, and with only the whole-micro-batch skip) for three
 optimizer steps each on the same batches (the last with verl's dynamic batch size), and
 returns what it measured, so the slow compile is shared by every test here. Each step computes the old log-probs with a
-``forward_only`` pass first, as verl's ``compute_log_prob`` does.
+``forward_only`` pass first, as verl's ``compute_log_prob`` does. Then one update with int8 on and
+verl's token budget set (``shared_plans``) shows that rank 0 plans every block graph and rank 1 runs its plans.
 
 The batches are built so the ranks disagree: rank 0 has one mixed group and
 two groups with equal rewards (zero advantages), rank 1 one zero group and
@@ -165,6 +166,36 @@ def refusals(path: str, hilore: dict) -> dict:
 
 #: The hilore options of these runs: exact plans, one nonzero bucket (one compile).
 HILORE = {"codecs": [], "buckets": 1, "verbose": False}
+#: The plan-sharing run's: int8 on, so each rank's own profiling could pick
+#: different options; the lengths come from verl's token budget (``planned_lengths``).
+SHARED = {"codecs": ["int8"], "buckets": 1, "verbose": False}
+
+
+def shared_plans(path: str, rank: int, hilore: dict = SHARED) -> dict:
+    """One update under ``use_dynamic_bsz`` with a token budget: what each block graph planned, and from where.
+
+    Both ranks compile a static graph and then a dynamic one (two packed
+    lengths each, different on each rank); rank 0 traces and solves, rank 1
+    runs its plans (``distributed/plan_share``).
+    """
+    from hilore_compiler.backend.planning import HiLoReWarning
+    from hilore_compiler.distributed.plan_sync import plan_digest
+
+    # As in a fresh process: dynamo forgets the lengths the runs before compiled the blocks at,
+    # so the first compile is static again and the dynamic one comes at each rank's second length.
+    torch._dynamo.reset()
+    engine = build_engine(path, hilore, initialize=False)
+    engine.engine_config.use_dynamic_bsz, engine.engine_config.max_token_len_per_gpu = True, PAD_BUCKET
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.initialize()
+        run_engine(engine, rank, steps=1, dynamic_from=None)
+    graphs = [g for b in {id(b): b for b in engine.hilore_backends}.values() for g in b.graphs if g.planner]
+    return {"plans": [plan_digest(g.plan) for g in graphs], "sources": [g.planner.source for g in graphs],
+            "traces": [g.planner.trace.fingerprint + str(g.planner.trace.to_json()) for g in graphs],
+            "ranges": [g.planner.seq_range for g in graphs], "dynamic": [g.planner.dynamic for g in graphs],
+            "options": sorted({o.option for g in graphs for u in g.plan.units for o in u.options}),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, HiLoReWarning)]}
 
 
 def rank_main(rank: int, world: int, path: str, steps: int = STEPS) -> dict:
@@ -183,7 +214,8 @@ def rank_main(rank: int, world: int, path: str, steps: int = STEPS) -> dict:
     sub = run_engine(build_engine(path, HILORE), rank, steps, dynamic_from)
     plain = run_engine(build_engine(path, None, registered=True), rank, steps, dynamic_from)
     skip = run_engine(build_engine(path, HILORE, drop_zero=False), rank, steps, dynamic_from)
-    return {"start": start, "ref": ref, "sub": sub, "plain": plain, "skip": skip, **refusals(path, HILORE)}
+    return {"start": start, "ref": ref, "sub": sub, "plain": plain, "skip": skip, "shared": shared_plans(path, rank),
+            **refusals(path, HILORE)}
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +310,33 @@ def test_blocks_went_through_hilore_and_nothing_recompiles(ranks):
         # length, one symbolic graph per block serves them all.
         assert any(r["sub"]["dynamic"]), "no block graph was compiled with the packed length symbolic"
         assert r["ref"]["graphs"] == [0] * STEPS  # verl's engine compiled nothing
+
+
+@pytest.mark.slow
+def test_rank_0_plans_every_block_graph_and_rank_1_runs_its_plans(ranks):
+    """With int8 on, each rank's own profiling gives it plans of its own (share_plans off: 4 digests)."""
+    r0, r1 = (r["shared"] for r in ranks)
+    assert r0["dynamic"] == r1["dynamic"] == [False, True]  # a static compile, then the packed length symbolic
+    assert "compress:int8" in r0["options"], r0["options"]
+    assert r0["sources"] == ["made", "made"] and r1["sources"] == ["rank 0", "rank 0"]  # rank 1 measured nothing
+    assert r0["plans"] == r1["plans"]  # graph by graph: the static one's, the dynamic one's
+    assert r0["traces"] == r1["traces"]
+    assert r0["ranges"] == r1["ranges"] == [(1, PAD_BUCKET)] * 2  # verl's token budget (planned_lengths)
+    assert r0["warnings"] == r1["warnings"] == []
+
+
+def test_verls_token_budget_is_the_planned_range_unless_given():
+    from types import SimpleNamespace
+
+    from hilore_compiler.integrations.verl import planned_lengths
+
+    dynamic = SimpleNamespace(use_dynamic_bsz=True, max_token_len_per_gpu=4096)
+    assert planned_lengths({"codecs": []}, dynamic) == {"codecs": [], "min_seq_len": 1, "max_seq_len": 4096}
+    assert planned_lengths({"max_seq_len": 2048}, dynamic) == {"max_seq_len": 2048}  # the user's bounds
+    assert planned_lengths({"plan": "p.json"}, dynamic) == {"plan": "p.json"}
+    fixed = SimpleNamespace(use_dynamic_bsz=False, max_token_len_per_gpu=4096)  # no token bound then
+    assert planned_lengths({}, fixed) == {}
+    assert planned_lengths({}, SimpleNamespace(use_dynamic_bsz=True, max_token_len_per_gpu=None)) == {}
 
 
 @pytest.mark.slow

@@ -96,13 +96,16 @@ def environment() -> list[Any]:
             torch.are_deterministic_algorithms_enabled(), compiler_settings()]
 
 
+def planning_options(options: BackendOptions) -> list[Any]:
+    """The options that tracing and solving read: what a plan depends on besides the graph."""
+    return [options.memory_budget, options.risk_budget, list(options.codecs), list(options.profiled_codecs),
+            options.cost_model, options.buckets, options.loss_ratio, options.gc_peak_bytes, options.max_seq_len,
+            options.min_seq_len, options.length_mix, options.length_buckets]
+
+
 def cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
     """Key of a zero-config plan: graph, inputs, environment and the options planning reads."""
-    planning = [options.memory_budget, options.risk_budget, list(options.codecs), list(options.profiled_codecs),
-                options.cost_model,
-                options.buckets, options.loss_ratio, options.gc_peak_bytes, options.max_seq_len,
-                options.min_seq_len, options.length_mix, options.length_buckets]
-    return _key(gm, example_inputs, planning)
+    return _key(gm, example_inputs, planning_options(options))
 
 
 def trace_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
@@ -129,3 +132,71 @@ def _key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: list[Any]) 
         shapes = [symbolic, graph_shape(example_inputs)]
     text = json.dumps([environment(), gm.code, repr(shapes), kinds, options], default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def structure_key(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions) -> str:
+    """Key of a graph's structure, the same on every rank that compiles "the same graph".
+
+    The plan cache's keys name the device (``cuda:0`` on rank 0, ``cuda:1`` on
+    rank 1) and the sizes (each rank packs its own micro-batch lengths, and
+    dynamo compiles the first length static, the next ones symbolic), so
+    they differ across ranks. This key keeps what decides the recovery units
+    and their costs per token: the ops and how they connect, constants other
+    than integers (an integer may be a size), the inputs' dtypes, device
+    types and ranks (number of dims), whether the graph is dynamic and
+    whether it records gradients (an evaluation graph of the same code is
+    never planned), the environment and the planning options; sizes
+    (integers and SymInt values) all read ``"size"``. A static and a dynamic
+    graph of one block differ: a static graph's trace has its sizes as
+    numbers, a dynamic one's as expressions of batch and sequence that hold
+    at every length.
+    """
+    kept: dict[fx.Node, int] = {}
+    nodes = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op != "output" and not _holds_tensor(value):
+            continue  # a size, a shape check: what it computes is a size
+        if node.op == "placeholder":
+            entry: Any = ["input", str(value.dtype), value.device.type, value.dim()]
+        else:
+            target = node.target if isinstance(node.target, str) else _target_name(node.target)
+            entry = [node.op, target, _structure(node.args, kept), _structure(node.kwargs, kept)]
+        kept[node] = len(kept)
+        nodes.append(entry)
+    flags = [is_dynamic(example_inputs), torch.is_grad_enabled()]
+    text = json.dumps([environment(), nodes, flags, planning_options(options)], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _holds_tensor(value: Any) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+
+
+def _target_name(target: Any) -> str:
+    """A callable's qualified name: the same in every process (its repr may hold an address)."""
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return f"{module}.{getattr(target, '__qualname__', None) or getattr(target, '__name__', str(target))}"
+
+
+def _structure(value: Any, kept: dict[fx.Node, int]) -> Any:
+    """An argument with graph values as their index and every integer or size as ``"size"``."""
+    if isinstance(value, fx.Node):
+        return ["node", kept[value]] if value in kept else "size"
+    if isinstance(value, (list, tuple)):
+        return [_structure(v, kept) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _structure(v, kept) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, slice):
+        return ["slice", *(_structure(v, kept) for v in (value.start, value.stop, value.step))]
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return "size"
+    if value is None or isinstance(value, (bool, float, str)):
+        return value
+    if isinstance(value, torch.device):
+        return value.type
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)) or value is Ellipsis:
+        return str(value)
+    return _target_name(value) if callable(value) else type(value).__qualname__

@@ -12,7 +12,9 @@ planned is compiled by plain Inductor, with a warning (``strict`` raises).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,7 @@ from .matching import default_bucket
 from .cache import StaleCacheError
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
-from .planning import GraphPlanner, fall_back
+from .planning import GraphPlanner, HiLoReWarning, fall_back
 from .variants import VariantTable, compile_variant as _compile_variant
 
 
@@ -93,16 +95,24 @@ class HiLoReBackend:
 
     def _plan_and_compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Plan and compile; a cached plan or trace that does not fit the graph is moved
-        aside (said once) and the graph planned afresh: nothing in the cache stops training."""
-        planner = GraphPlanner(gm, example_inputs, self.options)
+        aside (said once) and the graph planned afresh, as is one of rank 0's (planned on
+        this rank alone): nothing in the cache or from another rank stops training."""
+        planner, options = GraphPlanner(gm, example_inputs, self.options), self.options
         try:
             return self._compile(planner, gm, example_inputs)
         except Exception as error:
             stale = _cause(error, StaleCacheError)
-            if stale is None or planner.cache is None:
+            if stale is not None and planner.source == "rank 0":
+                warnings.warn(f"hilore: rank 0's plan does not fit this graph here ({stale}); this rank plans "
+                              "it on its own", HiLoReWarning, stacklevel=3)
+                options = dataclasses.replace(options, share_plans=False)
+            elif stale is not None and planner.cache is not None:
+                planner.cache.discard(stale)
+            else:
+                if not _is_dynamo_control_flow(error):  # dynamo compiles this frame again, planning anew
+                    planner.publish_failure(error)  # the ranks waiting for this graph plan on their own
                 raise
-            planner.cache.discard(stale)
-        return self._compile(GraphPlanner(gm, example_inputs, self.options), gm, example_inputs)
+        return self._compile(GraphPlanner(gm, example_inputs, options), gm, example_inputs)
 
     def _compile(self, planner: GraphPlanner, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -116,6 +126,7 @@ class HiLoReBackend:
                                      time.perf_counter() - start, "inductor")
             self.graphs.append(compiled)
             return compiled_first
+        planner.publish()  # cached plans go to the other ranks once they compiled (they could be stale)
         default = first.bucket_used or default_bucket(plan)
         compiled = CompiledGraph(plan, {default: compiled_first}, {}, records, 0.0, default, planner=planner)
         table = VariantTable(compiled, gm, example_inputs, planner, records)

@@ -72,6 +72,15 @@ class BackendOptions:
     #: length buckets, each with plans of its own, chosen per call like
     #: exposure buckets; the solver splits only where it pays (``solver/lengths``).
     length_buckets: int = 1
+    #: Under ``torch.distributed`` with more than one rank: rank 0 traces,
+    #: profiles and solves each zero-config graph, and the other ranks run its
+    #: plans, read from the process group's store (``distributed/plan_share``),
+    #: so timing noise cannot give ranks different plans. False: every rank plans.
+    share_plans: bool = True
+    #: How long a rank other than 0 waits for rank 0's plan of a graph once rank
+    #: 0 started on it (it may be profiling) before it plans the graph itself,
+    #: with a warning.
+    share_timeout_s: float = 300.0
 
     @property
     def profiled_codecs(self) -> tuple[str, ...]:
@@ -202,5 +211,7 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "length_mix": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(map(_positive_int, v))),
                    "a non-empty list of sequence lengths (positive ints), or None (uniform over the range)"),
     "length_buckets": (_positive_int, "a positive int (the most length buckets of a dynamic graph)"),
+    "share_plans": (lambda v: isinstance(v, bool), "True or False"),
+    "share_timeout_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
 }
 

@@ -6,7 +6,9 @@ profile, solve, apply), so the units planned are the units applied. The plan
 and its trace are cached on disk under a key of the graph, its inputs, the
 compiler settings and versions and the planning options (``cachekey``), so
 the next process starts from the plan (``PlanCache``). A given plan is matched to the graph's units by key
-(``matching``); a plan made for another shape is re-solved from its trace.
+(``matching``); a plan made for another shape is re-solved from its trace. Under a multi-rank
+``torch.distributed`` run rank 0 plans each graph and the other ranks run its plans
+(``distributed/plan_share``), read by a key of the graph's structure that every rank shares.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..distributed.plan_share import PlanShare, Shared, plan_set, plan_share
 from ..passes.annotate import UnitNodes, annotate_units
 from ..passes.apply import PlanMismatchError
 from ..passes.capture import GraphCapture, capture_joint, lifted_args
@@ -27,7 +30,7 @@ from ..planfile import Plan, load_plan
 from ..tracefile import Trace, load_trace
 from .cache import PlanCache, StaleCacheError
 # cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
-from .cachekey import cache_key, trace_key  # noqa: F401
+from .cachekey import cache_key, structure_key, trace_key  # noqa: F401
 from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
 from .shapes import graph_shape, is_dynamic, shape_at, shape_slot  # noqa: F401
@@ -201,6 +204,11 @@ class GraphPlanner:
         #: False once planning failed or found nothing: Inductor then decides.
         self.planning = True
         self.cache: PlanCache | None = None
+        #: This graph's keys in the process group's store; None in one process or with ``share_plans`` off.
+        self.share: PlanShare | None = None
+        #: Where the plans came from: "given", "cache", "made" here, or "rank 0" (its plans or its trace).
+        self.source = "given" if options.plan is not None else "made"
+        self._published: tuple[Plan, ...] | None = None
         self._saved: dict[str, set[str]] = {}
         if options.plan is not None:
             self.plans = given_plans(options, self.batch, self.seq_range)
@@ -210,10 +218,18 @@ class GraphPlanner:
         else:
             self.cache = PlanCache.open(options.cache_dir, cache_key(gm, example_inputs, options), options,
                                         trace_key=trace_key(gm, example_inputs, options))
-            self.plans = self.cache.load_plans()
+            if options.share_plans:
+                self.share = plan_share(structure_key(gm, example_inputs, options), options.share_timeout_s)
+            shared = self.share.peek() if self.share else None
+            if shared is not None:  # rank 0 planned this graph already: its plans, if they hold here
+                self._adopt(shared, solve=False)
+            elif self.share is None or self.share.plans_here:  # the others never run their own cached plans
+                if self.share is not None:
+                    self.share.announce()
+                self.plans, self.source = self.cache.load_plans(), "cache"
         #: Whether the plans (or the trace they are solved from) came from the
         #: cache: then a mismatch with the graph is a stale entry, not an error.
-        self.from_cache = self.cache is not None and bool(self.plans)
+        self.from_cache = self.source == "cache" and bool(self.plans)
 
     @property
     def plan(self) -> Plan | None:
@@ -242,10 +258,71 @@ class GraphPlanner:
         self.planned_batch = max(batch, self.planned_batch)
         self.seq_range = planned_range(self.options, seq_len, self.seq_range)
         self._say_beyond(seq_len)
+        shared = self.share.peek() if self.share else None
+        if shared is not None and self._adopt(shared, solve=False):
+            return True
         say(self.options, "re-solving for batch {} and sequences {} to {} from the trace".format(
             self.planned_batch, *self.seq_range))
         self.plans = solve_lengths(self.trace, self.options, self.planned_batch, self.seq_range)
+        self.publish()
         return True
+
+    @property
+    def _solving(self) -> BackendOptions:
+        """The options plans are solved with: a static graph runs one length, so one range plan."""
+        return self.options if self.dynamic else dataclasses.replace(self.options, length_buckets=1)
+
+    @property
+    def _foreign(self) -> bool:
+        """Whether the plans (or their trace) came from the cache or rank 0: a mismatch with the
+        graph is then theirs, not the user's, and the graph is planned afresh here."""
+        return self.from_cache or self.source == "rank 0"
+
+    def _adopt(self, shared: Shared, *, solve: bool) -> bool:
+        """Take rank 0's plans of this graph; True once planning is settled.
+
+        A plan set that holds for this batch and range is taken as it is;
+        with none, and ``solve``, rank 0's trace is solved for this range (the
+        same solver inputs as rank 0 would have). Rank 0 reads its own records
+        this way too: a graph of the same structure met again (another length
+        of a static graph, another backend with the same options) runs the
+        same plans.
+        """
+        if shared.trace is not None:
+            self.trace = shared.trace
+        found = shared.find(self.planned_batch, self.seq_range, self._solving.length_buckets)
+        if found is not None:
+            self.plans = self._published = found.plans
+            self.planned_batch, self.seq_range, self.source = found.batch, found.seq_range, "rank 0"
+            return True
+        if not solve or shared.trace is None:
+            return False
+        self.source = "rank 0"
+        if not shared.trace.units:
+            self.planning = False
+            return True
+        self.plans = solve_lengths(shared.trace, self._solving, self.planned_batch, self.seq_range)
+        self.publish()
+        return True
+
+    def publish(self) -> None:
+        """Rank 0: put this graph's plans, and the trace they are solved from, in the group's store.
+
+        Called once the plans are made, and (for cached plans, which could
+        be stale) once they compiled; a no-op on other ranks, in one process,
+        and for plans already there.
+        """
+        if self.share is None or not self.share.plans_here or self._published is self.plans:
+            return
+        self._published = self.plans
+        trace = self.trace if self.trace is not None or self.cache is None else self.cache.load_trace()
+        found = plan_set(self.plans, self.planned_batch, self.seq_range, self._solving.length_buckets)
+        self.share.publish(trace, found if self.plans else None)
+
+    def publish_failure(self, error: BaseException) -> None:
+        """Rank 0: tell the ranks waiting for this graph's plans that none will come (they plan alone)."""
+        if self.share is not None:
+            self.share.publish(None, error=f"{type(error).__name__}: {error}")
 
     def _say_beyond(self, seq_len: int) -> None:
         """Warn, once per graph, that a call is longer than ``max_seq_len``."""
@@ -291,10 +368,10 @@ class GraphPlanner:
             return units, GraphDecisions.none()
         try:
             decisions = match_plan(plan, bucket, units, self.batch, self.seq_len)
-            if self.from_cache and (decisions.unknown or decisions.missing):
+            if self._foreign and (decisions.unknown or decisions.missing):
                 raise PlanMismatchError(decisions.mismatch_message())
         except PlanMismatchError as error:
-            if self.from_cache:  # the cache's fault, not the user's: ``HiLoReBackend`` plans afresh
+            if self._foreign:  # the cache's or rank 0's, not the user's: ``HiLoReBackend`` plans afresh
                 raise StaleCacheError(str(error)) from error
             raise
         if decisions.unknown or decisions.missing:
@@ -306,6 +383,11 @@ class GraphPlanner:
         """Trace, profile and solve the captured joint graph (zero config)."""
         options = self.options
         try:
+            shared = self.share.wait() if self.share else None  # rank 0 never waits
+            if shared is not None and self._adopt(shared, solve=True):
+                say(options, "running rank 0's plan of this graph" if self.plans else "rank 0 found nothing to plan")
+                return
+            self.source = "made"
             name = f"graph-{self.cache.key[:8]}" if self.cache else "graph"
             self.trace = self.cache.load_trace() if self.cache else None
             self.from_cache = self.trace is not None
@@ -317,18 +399,20 @@ class GraphPlanner:
                     self.cache.save_trace(self.trace)
             if not self.trace.units:
                 self.planning = False
+                self.publish()  # the other ranks need not wait for it
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
-            # A static graph runs one length: one range plan, not length buckets.
-            solving = options if self.dynamic else dataclasses.replace(options, length_buckets=1)
-            self.plans = solve_lengths(self.trace, solving, self.batch, self.seq_range)
+            self.plans = solve_lengths(self.trace, self._solving, self.batch, self.seq_range)
         except Exception as error:  # planning never stops training: see fall_back
+            self.publish_failure(error)  # the other ranks need not wait: they plan on their own
             if options.strict:
                 raise
             self.planning = False
             fall_back(options, RuntimeError(f"could not plan this graph ({type(error).__name__}: {error})"),
                       "every unit")
             return
+        if not self.from_cache:  # a cached trace may not fit: published once the plans compiled
+            self.publish()
         where = self.cache.save_plans(self.plans) if self.cache else None
         lengths = "" if self.seq_range[0] == self.seq_range[1] else " for sequences {} to {}".format(*self.seq_range) + (
             f" in {len(self.plans)} length buckets" if len(self.plans) > 1 else "")

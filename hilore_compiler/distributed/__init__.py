@@ -6,6 +6,8 @@ Modules, in the order a distributed run meets them:
 - ``blocks``    ``compile_blocks``: each decoder block compiled on its own with
                 the hilore backend (budget stated per block), ``shard_blocks``.
 - ``plan_sync`` one whole-step plan on every rank: rank 0 solves, broadcasts, digests checked.
+- ``plan_share`` zero-config graphs: rank 0 plans each, the others read its plans
+                from the process group's store (no collective inside a compile).
 - ``ranks``     what the ranks of ``grpo.actor_update`` agree on: normalisers,
                 buckets, microbatch slots (zero-contribution padding).
 

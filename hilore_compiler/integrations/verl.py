@@ -15,7 +15,10 @@ With ``hilore`` set, the engine:
    state-dict keys stay, so ``apply_fsdp2`` still finds and shards the blocks)
    with the hilore backend before FSDP2 wraps it, with the packed length
    symbolic: one graph per block whatever the micro-batch's token count, its
-   plans re-solved when a longer one arrives (``backend/variants.py``);
+   plans re-solved when a longer one arrives (``backend/variants.py``); under
+   ``use_dynamic_bsz`` planned for verl's token budget from the start
+   (``planned_lengths``), so every rank runs the plans rank 0 made
+   (``distributed/plan_share``);
 2. turns HF gradient checkpointing off, with a warning, and refuses activation
    offload;
 3. in ``forward_backward_batch``, where dropping is exact
@@ -144,7 +147,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 "actor_rollout_ref.model.enable_gradient_checkpointing=False and a memory budget "
                 "(fsdp_config.hilore.memory_budget, default 1.10x-gc) instead.", stacklevel=2)
             module.gradient_checkpointing_disable()
-        self.hilore_backends = compile_blocks(module, self.hilore_options, dynamic=DYNAMIC_SHAPES, in_place=True)
+        options = planned_lengths(self.hilore_options, self.engine_config)
+        self.hilore_backends = compile_blocks(module, options, dynamic=DYNAMIC_SHAPES, in_place=True)
         return module
 
     # -- the update --------------------------------------------------------------
@@ -273,6 +277,26 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                     "microbatch_buckets": bucket_histograms(names, microbatches)})
 
 
+def planned_lengths(options: Mapping[str, Any], engine_config: Any) -> dict[str, Any]:
+    """The hilore options with verl's token budget as the lengths to plan for, unless given.
+
+    Under ``use_dynamic_bsz`` a packed micro-batch holds at most
+    ``max_token_len_per_gpu`` tokens (a longer sample alone excepted, which
+    is planned all the same, with a warning), so zero-config plans are made
+    for 1 to that many tokens from the start: no re-solve as lengths creep
+    up, and every rank plans the one range, so every rank runs rank 0's
+    plans (``distributed/plan_share``) rather than re-solving its trace for
+    lengths of its own. Left as they are where the user set either bound or
+    gave a plan.
+    """
+    options = dict(options)
+    budget = getattr(engine_config, "max_token_len_per_gpu", None)
+    given = {"plan", "max_seq_len", "min_seq_len"} & {k for k, v in options.items() if v is not None}
+    if given or not getattr(engine_config, "use_dynamic_bsz", False) or not budget:
+        return options
+    return {**options, "min_seq_len": 1, "max_seq_len": int(budget)}
+
+
 def _loss_agg_mode(loss_function: Callable | None) -> str:
     """The loss's ``loss_agg_mode`` where it is verl's ``ppo_loss``; token-mean (verl's default) otherwise."""
     config = getattr(loss_function, "keywords", {}).get("config") if loss_function is not None else None
@@ -344,4 +368,4 @@ _skip_verls_trl_value_head_patch()
 register()
 
 __all__ = ["DYNAMIC_SHAPES", "HiLoReFSDPEngine", "HiLoReFSDPEngineConfig", "microbatch_exposures",
-           "register", "skip_is_exact"]
+           "planned_lengths", "register", "skip_is_exact"]

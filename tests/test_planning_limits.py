@@ -72,3 +72,18 @@ def test_cbc_status_reads_the_latest_plan_and_bound_from_its_log():
     log = ("Cbc0012I Integer solution of 607.5 found by feasibility pump\n"
            "Cbc0010I After 100 nodes, 3 on tree, 600 best solution, best possible 594 (3.2 seconds)\n")
     assert cbc_status(log, 6.0, 12.0) == "CBC has run 6 s of at most 12 s; a plan found, within 1.0% of optimal"
+
+
+def test_the_backend_says_how_a_long_cbc_run_is_doing_when_verbose(monkeypatch, capsys):
+    from hilore_compiler.backend import BackendOptions
+    from hilore_compiler.backend.planning import solve_lengths
+    from hilore_compiler.solver import cbc
+    from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
+
+    monkeypatch.setattr(cbc, "PROGRESS_INTERVAL_S", 0.01)
+    trace = synthetic_trace(SyntheticConfig(num_layers=4))
+    for verbose in (True, False):
+        options = BackendOptions.from_mapping({"verbose": verbose, "buckets": 1})
+        solve_lengths(trace, options, trace.batch, (trace.seq_len, trace.seq_len))
+        said = capsys.readouterr().err
+        assert ("hilore: solver: CBC has run" in said) is verbose, said

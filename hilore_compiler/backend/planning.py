@@ -47,13 +47,16 @@ def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: 
     ``options.length_buckets`` where that pays.
     """
     from ..solver import DEFAULT_RISK_BUDGET
+    from ..solver.cbc import reporting
     from ..solver.lengths import solve_length_buckets
 
     risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
-    return solve_length_buckets(trace, seq_range, options.memory_budget, max_buckets=options.length_buckets,
-                                length_mix=options.length_mix, risk_budget=risk, buckets=options.buckets,
-                                codecs=list(options.codecs), batch=batch, loss_ratio=options.loss_ratio,
-                                gc_peak_bytes=options.gc_peak_bytes)
+    # A long CBC run says how it is doing (verbose only); the planner's other lines stay quiet here.
+    with reporting(lambda line: say(options, f"solver: {line}")):
+        return solve_length_buckets(trace, seq_range, options.memory_budget, max_buckets=options.length_buckets,
+                                    length_mix=options.length_mix, risk_budget=risk, buckets=options.buckets,
+                                    codecs=list(options.codecs), batch=batch, loss_ratio=options.loss_ratio,
+                                    gc_peak_bytes=options.gc_peak_bytes)
 
 
 def ceiling_at(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> int:
@@ -153,14 +156,13 @@ def _covered(plans: Sequence[Plan], lo: int, hi: int) -> bool:
 
 
 def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, seq_len: int, name: str) -> Trace:
-    """Annotate and profile one captured joint graph into a trace, measured times rounded
-    (``solver.rounding``) so that fresh processes planning this graph agree."""
+    """Annotate and profile one captured joint graph into a trace (its measured times rounded
+    by the tracer, so that fresh processes planning this graph agree)."""
     from ..passes.tracer import TraceConfig, trace_captures
-    from ..solver.rounding import round_measured_costs
 
     config = TraceConfig(model_name=name, codecs=tuple(options.profiled_codecs), verbose=False,
                          cost_model=options.cost_model)
-    return round_measured_costs(trace_captures([capture], batch, seq_len, config))
+    return trace_captures([capture], batch, seq_len, config)
 
 
 def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions,
@@ -355,7 +357,7 @@ class GraphPlanner:
         digest = hashlib.sha256(joint.code.encode()).hexdigest()
         make_plan = not self.plans and self.planning
         if make_plan or digest not in self._saved:
-            # Roofline costs read shapes alone: nothing runs (``capture.meta_values``).
+            # Roofline costs read shapes alone: nothing runs (``values.meta_values``).
             measured = self.options.cost_model == "measured"
             capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan and measured,
                                     **kwargs)

@@ -295,3 +295,31 @@ def test_rounds_measure_each_ceilings_runs_back_to_back_after_the_fixed_methods(
     points += [Point(method="hilore-blind", ceiling=1.5, run="hilore@1.5x", status=MEASURED)]
     assert measure_order(runs, points) == ["gc", "gc-int8", "hilore@1x", "int8-recompute@1x",
                                            "hilore@1.5x", "int8-recompute@1.5x", "failed"]
+
+
+def test_peer_table_pairs_hilore_with_every_method_at_every_ceiling(tmp_path, capsys):
+    from hilore_compiler.bench import peer_table
+
+    def run(seconds):  # two steps in each of three rounds
+        return {"status": "ok", "samples": [{"seconds": s, "peak_bytes": 0, "round": r}
+                                            for r, s in enumerate(seconds) for _ in range(2)]}
+
+    result = {"hilore_method": "hilore", "tokens_per_step": 100, "runs": {
+        "hilore@1x": run([1.0, 1.0, 1.0]), "gc": run([1.2, 1.2, 1.2]), "pt-budget@0.5": run([0.5, 0.5, 0.5]),
+        "pt-budget@0.1": run([2.0, 2.0, 2.0])}, "points": [
+        {"method": "hilore", "ceiling": 1.0, "run": "hilore@1x", "fits": True},
+        {"method": "gc", "ceiling": 1.0, "run": "gc", "fits": True},
+        {"method": "pt-budget", "ceiling": 1.0, "run": "pt-budget@0.5", "fits": False},
+        {"method": "int8-recompute", "ceiling": 1.0, "run": None, "fits": False}]}
+    found = {p.method: p for p in peer_table.pairings(result)}
+    assert found["gc"].ratio.ratio == pytest.approx(1.2)
+    assert found["pt-budget"].ratio.ratio == pytest.approx(0.5) and not found["pt-budget"].fits
+    assert found["int8-recompute"].ratio is None
+    # Only a fitting peer can be the weakest pairing: pt-budget is faster but over the ceiling.
+    assert peer_table.weakest(list(found.values()))[1.0].method == "gc"
+    table = peer_table.format_table(list(found.values()))
+    assert "| 1 | 1.200 [1.200, 1.200] | does not fit | no point |" in table
+    path = tmp_path / "result.json"
+    path.write_text("{not json")
+    assert peer_table.main([str(path)]) == 2
+    assert "is not a readable frontier result" in capsys.readouterr().err

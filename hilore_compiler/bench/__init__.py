@@ -25,6 +25,8 @@ Modules in the order a run uses them:
 - ``rounds``: a method's figures as a run goes; alternating, counted rounds.
 - ``runner``: the step bench: every method set up in turn, rounds, fidelity.
 - ``paired``: per-round paired speed ratios, geometric mean and 95% t-interval.
+- ``peer_table``: from a frontier result, HiLoRe's paired ratio over every other
+  method at every ceiling (``python -m hilore_compiler.bench.peer_table FILE``).
 - ``report``: statistics, the paper's targets, table and JSON.
 - ``plot``: the PNG, throughput against peak memory.
 - ``compile_cost``: ``--compile-cost``, first-compile seconds of plain Inductor

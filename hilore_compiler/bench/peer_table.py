@@ -39,8 +39,7 @@ class Pairing:
 
 
 def _samples(run: Mapping[str, Any]) -> list[StepSample]:
-    return [StepSample(seconds=s["seconds"], peak_bytes=s.get("peak_bytes", 0), round=s.get("round"))
-            for s in run.get("samples", [])]
+    return [StepSample(**s) for s in run.get("samples", [])]  # as the result file writes them (``asdict``)
 
 
 def pairings(result: Mapping[str, Any]) -> list[Pairing]:

@@ -34,8 +34,11 @@ class Pairing:
     run: str | None
     #: Whether the other point's measured peak fits the ceiling.
     fits: bool
-    #: HiLoRe's speed over the other's, paired by round (None: no common round, or no point).
+    #: HiLoRe's speed over the other's, paired by round (None: no common round, no point, or
+    #: the other's point is HiLoRe's own run, its plan being HiLoRe's).
     ratio: PairedRatio | None
+    #: The other method planned HiLoRe's very decisions, so the bench measured HiLoRe's run for it.
+    own: bool = False
 
 
 def _samples(run: Mapping[str, Any]) -> list[StepSample]:
@@ -53,10 +56,11 @@ def pairings(result: Mapping[str, Any]) -> list[Pairing]:
             continue
         ours, theirs = runs.get(mine[p["ceiling"]]), runs.get(p["run"]) if p["run"] else None
         ratio = None
-        if ours is not None and theirs is not None and theirs.get("status") == "ok":
+        own = p["run"] == mine[p["ceiling"]]
+        if not own and ours is not None and theirs is not None and theirs.get("status") == "ok":
             ratio = paired_ratio(_samples(ours), _samples(theirs), tokens)
         found.append(Pairing(ceiling=p["ceiling"], method=p["method"], run=p["run"], fits=bool(p.get("fits")),
-                             ratio=ratio))
+                             ratio=ratio, own=own))
     return found
 
 
@@ -82,6 +86,8 @@ def format_table(found: list[Pairing]) -> str:
     def text(p: Pairing | None) -> str:
         if p is None or p.run is None:
             return "no point"
+        if p.own:
+            return "HiLoRe's plan"
         if not p.fits:
             return "does not fit"
         if p.ratio is None:

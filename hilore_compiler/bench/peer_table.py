@@ -39,6 +39,8 @@ class Pairing:
     ratio: PairedRatio | None
     #: The other method planned HiLoRe's very decisions, so the bench measured HiLoRe's run for it.
     own: bool = False
+    #: The frontier point's status ("measured", "does not fit", ...): why a point has no run.
+    status: str = "measured"
 
 
 def _samples(run: Mapping[str, Any]) -> list[StepSample]:
@@ -60,7 +62,7 @@ def pairings(result: Mapping[str, Any]) -> list[Pairing]:
         if not own and ours is not None and theirs is not None and theirs.get("status") == "ok":
             ratio = paired_ratio(_samples(ours), _samples(theirs), tokens)
         found.append(Pairing(ceiling=p["ceiling"], method=p["method"], run=p["run"], fits=bool(p.get("fits")),
-                             ratio=ratio, own=own))
+                             ratio=ratio, own=own, status=p.get("status", "measured")))
     return found
 
 
@@ -85,7 +87,8 @@ def format_table(found: list[Pairing]) -> str:
 
     def text(p: Pairing | None) -> str:
         if p is None or p.run is None:
-            return "no point"
+            # A searched or planned method with no run there found nothing under the ceiling.
+            return "does not fit" if p is not None and p.status == "does not fit" else "no point"
         if p.own:
             return "HiLoRe's plan"
         if not p.fits:

@@ -311,7 +311,8 @@ def test_peer_table_pairs_hilore_with_every_method_at_every_ceiling(tmp_path, ca
         {"method": "gc", "ceiling": 1.0, "run": "gc", "fits": True},
         {"method": "pt-budget", "ceiling": 1.0, "run": "pt-budget@0.5", "fits": False},
         {"method": "int8-recompute", "ceiling": 1.0, "run": None, "fits": False},
-        {"method": "pt-budget-knee", "ceiling": 1.0, "run": None, "fits": False, "status": "does not fit"}]}
+        {"method": "pt-budget-knee", "ceiling": 1.0, "run": None, "fits": False, "status": "does not fit"},
+        {"method": "uniform-int8", "ceiling": 1.0, "run": "hilore@1x", "fits": True}]}
     found = {p.method: p for p in peer_table.pairings(result)}
     assert found["gc"].ratio.ratio == pytest.approx(1.2)
     assert found["pt-budget"].ratio.ratio == pytest.approx(0.5) and not found["pt-budget"].fits
@@ -320,7 +321,9 @@ def test_peer_table_pairs_hilore_with_every_method_at_every_ceiling(tmp_path, ca
     assert peer_table.weakest(list(found.values()))[1.0].method == "gc"
     table = peer_table.format_table(list(found.values()))
     # No run: a point the method could not fit says so; one it has no point at, "no point".
-    assert "| 1 | 1.200 [1.200, 1.200] | does not fit | no point | does not fit |" in table
+    # A method whose point is HiLoRe's own run is no pairing, and says so.
+    assert found["uniform-int8"].own and found["uniform-int8"].ratio is None
+    assert "| 1 | 1.200 [1.200, 1.200] | does not fit | no point | does not fit | HiLoRe's plan |" in table
     path = tmp_path / "result.json"
     path.write_text("{not json")
     assert peer_table.main([str(path)]) == 2

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .frontier import DOES_NOT_FIT, MEASURED
 from .measure import StepSample
 from .paired import PairedRatio, paired_ratio
 
@@ -39,8 +40,8 @@ class Pairing:
     ratio: PairedRatio | None
     #: The other method planned HiLoRe's very decisions, so the bench measured HiLoRe's run for it.
     own: bool = False
-    #: The frontier point's status ("measured", "does not fit", ...): why a point has no run.
-    status: str = "measured"
+    #: The frontier point's status (``frontier.MEASURED``, ``DOES_NOT_FIT``, ...): why a point has no run.
+    status: str = MEASURED
 
 
 def _samples(run: Mapping[str, Any]) -> list[StepSample]:
@@ -62,7 +63,7 @@ def pairings(result: Mapping[str, Any]) -> list[Pairing]:
         if not own and ours is not None and theirs is not None and theirs.get("status") == "ok":
             ratio = paired_ratio(_samples(ours), _samples(theirs), tokens)
         found.append(Pairing(ceiling=p["ceiling"], method=p["method"], run=p["run"], fits=bool(p.get("fits")),
-                             ratio=ratio, own=own, status=p.get("status", "measured")))
+                             ratio=ratio, own=own, status=p.get("status", MEASURED)))
     return found
 
 
@@ -87,8 +88,8 @@ def format_table(found: list[Pairing]) -> str:
 
     def text(p: Pairing | None) -> str:
         if p is None or p.run is None:
-            # A searched or planned method with no run there found nothing under the ceiling.
-            return "does not fit" if p is not None and p.status == "does not fit" else "no point"
+            # A searched or planned method with no run there may have found nothing under the ceiling.
+            return DOES_NOT_FIT if p is not None and p.status == DOES_NOT_FIT else "no point"
         if p.own:
             return "HiLoRe's plan"
         if not p.fits:

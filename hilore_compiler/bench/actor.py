@@ -47,7 +47,7 @@ import torch
 from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
-from .process import WorkerError, WorkerProcess, worker_env
+from .process import HEAPS, WorkerError, WorkerProcess, worker_env
 from .rounds import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
@@ -110,12 +110,16 @@ class ActorBenchConfig:
     settle_rounds: int = 1
     seed: int = 0
     threads: int | None = None
+    #: Timed workers' heap (``runner.BenchConfig.heap``).
+    heap: str = "default"
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in ACTOR_METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(ACTOR_METHODS)}")
+        if self.heap not in HEAPS:
+            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
         if not 0 < self.prompt_len < self.seq_len - 1 or self.microbatch < 1 or self.groups < 1:
             raise ValueError("need 0 < prompt_len < seq_len - 1, microbatch >= 1 and groups >= 1")
         if self.loss_type not in ("dapo", "grpo"):
@@ -372,10 +376,10 @@ def rss_peaks(config: ActorBenchConfig, method: str, plans: dict[str, str], run_
             worker.close()
 
 
-def timing_env(run_dir: Path) -> dict[str, str]:
+def timing_env(run_dir: Path, heap: str = "default") -> dict[str, str]:
     """The environment of timed actor workers: the run's Inductor cache, the
-    default allocator (``process.worker_env``); peaks come from ``rss_peaks``."""
-    return worker_env(run_dir / "inductor")
+    heap ``heap`` names (``process.worker_env``); peaks come from ``rss_peaks``."""
+    return worker_env(run_dir / "inductor", heap=heap)
 
 
 def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, Any]:
@@ -383,7 +387,7 @@ def run_actor_bench(config: ActorBenchConfig, progress: Progress) -> dict[str, A
     from .actor_report import summarise
 
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-actor-bench-"))
-    env, peak_env = timing_env(run_dir), worker_env(run_dir / "inductor", peak=True)
+    env, peak_env = timing_env(run_dir, config.heap), worker_env(run_dir / "inductor", peak=True)
     runs: dict[str, MethodRun] = {}
     try:
         # The baselines first: GC's measured peak is the ceiling x-gc budgets are multiples of.

@@ -3,7 +3,8 @@
 Each method runs in its own process (``worker.py``), driven over a pipe
 (``process.py``). On CPU the peak and the time come from two workers of the
 method, one with ``MALLOC_MMAP_THRESHOLD_=65536`` (VmHWM needs it) and one
-on the default allocator; on CUDA one worker does both (``Launcher``).
+on the heap ``--heap`` names (glibc's default unless ``fixed``); on CUDA one
+worker does both (``Launcher``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class Launcher:
     (measure.py) and which slows every step by page faults (store-all's most:
     25% on the actor bench's microbatch: bench/overhead.py, commit 1a36683), so it measures
     ``PEAK_STEPS`` peaks and exits. ``time``'s runs the rounds on the default
-    allocator, as a trainer does, compiling from the shared caches. A method
+    allocator, as a trainer does, or on a fixed heap (``config.heap``),
+    compiling from the shared caches. A method
     that plans sets up its timed worker first instead, so that its peak worker
     too compiles from the caches (``plans_first``). On CUDA one worker does
     both: ``max_memory_allocated`` needs no allocator setting.
@@ -58,7 +60,7 @@ class Launcher:
         self.config, self.device, self.run_dir, self.progress = config, device, run_dir, progress
         cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
         self.hilore_cache = str(cache / "hilore")
-        self.env = worker_env(cache / "inductor")
+        self.env = worker_env(cache / "inductor", heap=config.heap)
         #: Whether peaks are measured by workers of their own (CPU, see above).
         self.peaks_apart = device == "cpu"
         self.peak_env = worker_env(cache / "inductor", peak=True) if self.peaks_apart else self.env
@@ -157,7 +159,7 @@ class Launcher:
         return True
 
     def _start_timed(self, run: MethodRun, config: WorkerConfig) -> None:
-        """Set up ``run``'s timed worker (default allocator) first; it compiles, plans and
+        """Set up ``run``'s timed worker (the timed heap) first; it compiles, plans and
         writes the gradient, and stays alive for the rounds (``run.timed_worker``)."""
         name = run.name or run.method
         run.timed_worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}-timed.log")
@@ -166,14 +168,14 @@ class Launcher:
         run.info["timed_worker"] = _timed_info(reply)
 
     def time(self, run: MethodRun) -> None:
-        """Start the worker ``run``'s rounds are timed in (CPU: on the default allocator,
+        """Start the worker ``run``'s rounds are timed in (CPU: on the timed heap,
         compiled from the caches ``start``'s worker filled); a failure is recorded."""
         if run.status != "ok" or run.worker is not None:
             return  # failed, or set up already: CUDA's one worker, or a method that plans first
         config = dataclasses.replace(run.worker_config, grad_path=None,
                                      options=_as_chosen(run.worker_config.options, run.info))
         name = run.name or run.method
-        self.progress(f"{name}: starting the worker the rounds time (default allocator)")
+        self.progress(f"{name}: starting the worker the rounds time ({self.config.heap} heap)")
         try:
             run.worker = WorkerProcess(config, env=self.env, log_path=self.run_dir / f"{name}-timed.log")
             reply = run.worker.request("setup")

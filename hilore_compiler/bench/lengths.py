@@ -31,7 +31,7 @@ import torch
 from .lengths_worker import DEFAULT_LENGTH_METHODS, LENGTH_METHODS, LengthsWorkerConfig
 from .measure import gradient_fidelity
 from .paired import format_paired, geometric_interval
-from .process import WorkerError, WorkerProcess, worker_env
+from .process import HEAPS, WorkerError, WorkerProcess, worker_env
 
 Progress = Callable[[str], None]
 #: The ceiling the report holds every method to, as a multiple of GC's peak at the same length.
@@ -54,6 +54,8 @@ class LengthsBenchConfig:
     seed: int = 0
     threads: int | None = None
     cache_dir: str | None = None
+    #: Timed workers' heap (``runner.BenchConfig.heap``).
+    heap: str = "default"
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in LENGTH_METHODS]
@@ -62,6 +64,8 @@ class LengthsBenchConfig:
                              f"unknown: {unknown}")
         if len(self.lengths) < 2 or min(self.lengths) < 2 or len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"--lengths needs two or more distinct lengths >= 2, got {self.lengths}")
+        if self.heap not in HEAPS:
+            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
         if self.repeats < 1 or self.steps_per_round < 1:
             raise ValueError("repeats and steps_per_round must be >= 1")
 
@@ -74,7 +78,7 @@ def run_lengths_bench(config: LengthsBenchConfig, progress: Progress) -> dict[st
     """Set up every method, measure in rounds, read peaks and gradients; the result record."""
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-lengths-"))
     cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
-    env = worker_env(cache / "inductor")
+    env = worker_env(cache / "inductor", heap=config.heap)
     hilore = {"memory_budget": config.hilore_budget, "codecs": list(config.hilore_codecs),
               "cache_dir": str(cache / "hilore"), "verbose": True}
     workers: dict[str, LengthsWorkerProcess] = {}

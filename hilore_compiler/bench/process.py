@@ -14,23 +14,50 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..passes.allocator import DEFAULT_THRESHOLD_MAX, MMAP_THRESHOLD_VAR, TRIM_THRESHOLD_VAR
 from .measure import MMAP_THRESHOLD_ENV
 from .worker import WorkerConfig
 
+#: glibc's variable for the slack ``sbrk`` adds each time the heap grows.
+TOP_PAD_VAR = "MALLOC_TOP_PAD_"
 
-def worker_env(inductor_cache: Path, *, peak: bool = False) -> dict[str, str]:
+#: ``--heap``: the allocator setting of timed workers. ``default``: glibc's
+#: as a trainer gets it. ``fixed``: ``FIXED_HEAP_ENV``.
+HEAPS = ("default", "fixed")
+
+#: A heap whose layout does not depend on the process's history. On glibc's
+#: default the mmap threshold moves as large blocks are freed, and where a
+#: step's buffers land then depends on what the process did before: the same
+#: kernels ran 1.700, 1.775 and 1.972 s/step in three plans of one process
+#: (docs/benchmarks.md, "Why the intervals are wide"), a spread that is fixed
+#: for a worker's life, so rounds do not average it out. Fixed at the
+#: threshold's own ceiling (32 MiB), never trimmed, grown in 256 MiB steps,
+#: the same kernels ran within 1% across plans and processes, as a caching
+#: allocator (CUDA's) runs them. Memory is unchanged: peaks come from
+#: workers of their own (``peak``).
+FIXED_HEAP_ENV = {MMAP_THRESHOLD_VAR: str(DEFAULT_THRESHOLD_MAX), TRIM_THRESHOLD_VAR: str(16 << 30),
+                  TOP_PAD_VAR: str(256 << 20)}
+
+_HEAP_VARS = {*MMAP_THRESHOLD_ENV, *FIXED_HEAP_ENV}
+
+
+def worker_env(inductor_cache: Path, *, peak: bool = False, heap: str = "default") -> dict[str, str]:
     """A worker's environment: this one, with ``inductor_cache`` as Inductor's cache.
 
     ``peak``: with ``MMAP_THRESHOLD_ENV``, which the CPU peak (VmHWM) needs
-    (measure.py). Otherwise the setting is dropped, even if the caller set
-    it: it costs page faults on each allocation (25% on store-all's actor
-    microbatch, 15% on GC's: the study bench/overhead.py of commit 1a36683), so a worker that is timed
-    runs on the default allocator, as a trainer does, and peaks are measured
-    by workers of their own.
+    (measure.py). Otherwise the worker is timed, on the heap ``heap`` names
+    (``HEAPS``). The caller's own malloc settings are dropped either way:
+    ``MMAP_THRESHOLD_ENV`` costs page faults on each allocation (25% on
+    store-all's actor microbatch, 15% on GC's: the study bench/overhead.py
+    of commit 1a36683), so peaks are measured by workers of their own.
     """
-    env = {k: v for k, v in os.environ.items() if k not in MMAP_THRESHOLD_ENV}
+    if heap not in HEAPS:
+        raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {heap!r}")
+    env = {k: v for k, v in os.environ.items() if k not in _HEAP_VARS}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
-    return {**env, **MMAP_THRESHOLD_ENV} if peak else env
+    if peak:
+        return {**env, **MMAP_THRESHOLD_ENV}
+    return {**env, **FIXED_HEAP_ENV} if heap == "fixed" else env
 
 
 class WorkerError(RuntimeError):

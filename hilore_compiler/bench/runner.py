@@ -27,6 +27,7 @@ from ..models import DTYPES
 from .launcher import Launcher
 from .methods import DEFAULT_METHODS, METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, measure_rounds, warm_peak, warm_seconds
+from .process import HEAPS
 from .peers import PT_BUDGETS, SEARCHED, hidden_state_mb, knob_name, probe_grid
 from .search import BudgetSearch, search_budget
 
@@ -63,6 +64,9 @@ class BenchConfig:
     seed: int = 0
     #: Threads per worker (None: torch's default).
     threads: int | None = None
+    #: Timed workers' heap on CPU (``process.HEAPS``): ``default`` as a trainer
+    #: runs, or ``fixed`` (``process.FIXED_HEAP_ENV``) for close comparisons.
+    heap: str = "default"
     #: HiLoRe's memory budget.
     hilore_budget: str = "1.10x-gc"
     #: Codecs HiLoRe's plans may use (empty: store and recompute only, exact gradients).
@@ -97,6 +101,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2 or self.warmup < 0 or self.settle_rounds < 0:
             raise ValueError("seq_len must be >= 2, warmup >= 0 and settle_rounds >= 0")
+        if self.heap not in HEAPS:
+            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:

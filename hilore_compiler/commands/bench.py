@@ -21,6 +21,7 @@ RESULTS_DIR = Path("bench") / "results"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from ..bench.actor import ACTOR_METHODS
     from ..bench.methods import CUDA_ONLY, METHODS
+    from ..bench.process import HEAPS
     from ..bench.runner import BenchConfig, QUICK
     from ..models import DTYPES
 
@@ -55,6 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES,
                    help=f"parameter dtype of the policy; log-probs and loss stay fp32 (default {d.dtype})")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's)")
+    p.add_argument("--heap", choices=HEAPS,
+                   help=f"CPU: the heap timed workers run on: glibc's default, as a trainer runs, or fixed "
+                        f"(mmap threshold 32 MiB, never trimmed), which takes out a per-process placement "
+                        f"effect larger than what separates two close plans; peaks are measured apart either "
+                        f"way (default {d.heap})")
     p.add_argument("--hilore-budget", help=f"HiLoRe's memory budget (default {d.hilore_budget})")
     p.add_argument("--pt-budget", type=float,
                    help="fixed activation_memory_budget for pt-budget and its solver variants "
@@ -152,7 +158,7 @@ def actor_config_from_args(args: argparse.Namespace):
     names = {"model": "model", "seq_len": "seq_len", "repeats": "repeats", "threads": "threads",
              "hilore_budget": "budget", "loss_type": "loss_type", "risk_budget": "risk_budget",
              "seed": "seed", "warmup": "warmup", "steps_per_round": "steps_per_round",
-             "settle_rounds": "settle_rounds"}
+             "settle_rounds": "settle_rounds", "heap": "heap"}
     if getattr(args, "device", None) == "cuda":
         # Its workers, peaks and loss-side measure are the CPU's; a CUDA run
         # would be labelled as one while running on the CPU.
@@ -225,7 +231,8 @@ def run_lengths(args: argparse.Namespace) -> int:
 
     values: dict = {"model": "tiny", "repeats": 3} if args.quick else {}
     names = {"model": "model", "batch": "batch", "repeats": "repeats", "steps_per_round": "steps_per_round",
-             "hilore_budget": "hilore_budget", "seed": "seed", "threads": "threads", "cache_dir": "cache_dir"}
+             "hilore_budget": "hilore_budget", "seed": "seed", "threads": "threads", "cache_dir": "cache_dir",
+             "heap": "heap"}
     values.update({field: getattr(args, flag) for flag, field in names.items() if getattr(args, flag, None) is not None})
     if args.methods:
         values["methods"] = comma_list(args.methods)

@@ -70,3 +70,26 @@ def test_the_fixed_heap_keeps_a_freed_block_where_the_default_returns_it(tmp_pat
 
     assert rss_kept(worker_env(tmp_path)) < 4
     assert rss_kept(worker_env(tmp_path, heap="fixed")) >= 15
+
+
+def test_heap_reaches_every_bench_config_from_the_command_line(monkeypatch):
+    from hilore_compiler.cli import build_parser
+    from hilore_compiler.commands.bench import actor_config_from_args, config_from_args
+
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["bench"])).heap == "default"
+    assert config_from_args(parse(["bench", "--heap", "fixed", "--ceilings", "1.0,1.1"])).heap == "fixed"
+    assert actor_config_from_args(parse(["bench", "--actor-update", "--heap", "fixed"])).heap == "fixed"
+    with pytest.raises(SystemExit):
+        parse(["bench", "--heap", "big"])
+
+
+def test_result_files_carry_the_command_that_made_them(tmp_path, monkeypatch, capsys):
+    import json
+
+    from hilore_compiler.commands.bench import _write_results
+
+    monkeypatch.setattr(sys, "argv", ["hilore", "bench", "--ceilings", "1.0", "--heap", "fixed"])
+    _write_results({"rows": []}, tmp_path / "r.json", lambda report: dict(report), lambda report, path: None, None)
+    assert json.loads((tmp_path / "r.json").read_text())["command"] == "hilore bench --ceilings 1.0 --heap fixed"
+    assert "plot: skipped" in capsys.readouterr().out

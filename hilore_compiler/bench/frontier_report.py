@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from ..jsonio import write_json_atomic
 from .frontier import DOES_NOT_FIT, FrontierRun, Point
 from .launcher import REFERENCE_GC
 from .methods import LABELS
@@ -205,7 +203,3 @@ def to_json(report: FrontierReport) -> dict[str, Any]:
             "points": [{**asdict(c.point), "fits": c.fits} for c in report.cells], "rows": rows,
             "runs": runs, "pt_budget_probes": [asdict(p) for p in run.probes], "run_dir": run.run_dir}
 
-
-def save_json(report: FrontierReport, path: str | Path) -> Path:
-    """Write the result file atomically."""
-    return write_json_atomic(path, to_json(report))

@@ -17,12 +17,10 @@ import os
 import platform
 import statistics
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..jsonio import write_json_atomic
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
 from .rounds import MethodRun, peak_samples
@@ -365,7 +363,3 @@ def run_record(stats: MethodStats, run: MethodRun) -> dict[str, Any]:
             "samples": [asdict(x) for x in run.samples], "warmup": [asdict(x) for x in run.warmup],
             "settle": [asdict(x) for x in run.settle]}
 
-
-def save_json(report: BenchReport, path: str | os.PathLike) -> Path:
-    """Write the result file atomically."""
-    return write_json_atomic(path, to_json(report))

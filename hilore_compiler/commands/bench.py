@@ -189,7 +189,7 @@ def _save_report(report: dict, output: Path, render) -> None:
     """Stamp the command that made ``report``, print it as a table, write it atomically."""
     from ..jsonio import write_json_atomic
 
-    report["command"] = "hilore " + " ".join(sys.argv[1:])
+    report["command"] = _command()
     print(render(report))
     print(f"results: {write_json_atomic(output, report)}")
 
@@ -242,7 +242,7 @@ def run_lengths(args: argparse.Namespace) -> int:
     name = f"lengths-{config.model}-T{'-'.join(map(str, config.lengths))}.json"
     output = Path(args.output or RESULTS_DIR / name)
     result = run_lengths_bench(config, _progress)
-    result["command"] = "hilore " + " ".join(sys.argv[1:])
+    result["command"] = _command()
     print(f"results: {write_json_atomic(output, result)}")  # first: the table is read from it
     print(render_lengths(result))
     return 1 if any(m["status"] != "ok" for m in result["methods"].values()) else 0
@@ -266,13 +266,18 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(**values)
 
 
+def _command() -> str:
+    """The command line that made a result, for its file."""
+    return "hilore " + " ".join(sys.argv[1:])
+
+
 def _progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..bench.plot import save_png
-    from ..bench.report import format_table, format_targets, save_json, summarise
+    from ..bench.report import format_table, format_targets, summarise, to_json
     from ..bench.runner import run_bench
 
     if args.nproc:
@@ -296,13 +301,16 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report))
     print("targets (paper, at 1.10 x GC's peak):")
     print(format_targets(report))
-    _write_results(report, output, save_json, save_png, result.run_dir)
+    _write_results(report, output, to_json, save_png, result.run_dir)
     return 1 if any(r.status != "ok" for r in result.runs) else 0
 
 
-def _write_results(report, path: Path, save_json, save_png, run_dir: str | None) -> None:
-    """Save a report's JSON and PNG beside it, and say where they (and any kept logs) are."""
-    print(f"results: {save_json(report, path)}")
+def _write_results(report, path: Path, to_json, save_png, run_dir: str | None) -> None:
+    """Save a report's JSON, stamped with the command that made it, and its PNG beside it;
+    say where they (and any kept logs) are."""
+    from ..jsonio import write_json_atomic
+
+    print(f"results: {write_json_atomic(path, {**to_json(report), 'command': _command()})}")
     png = save_png(report, path.with_suffix(".png"))
     print(f"plot: {png}" if png else "plot: skipped (pip install matplotlib)")
     if run_dir:
@@ -312,7 +320,7 @@ def _write_results(report, path: Path, save_json, save_png, run_dir: str | None)
 def run_frontier_command(config: "BenchConfig", output: str | None) -> int:
     """``--ceilings``: run the frontier, print its tables, save the JSON and the PNG."""
     from ..bench.frontier import run_frontier
-    from ..bench.frontier_report import format_ceiling_table, format_points_table, save_json, summarise_frontier
+    from ..bench.frontier_report import format_ceiling_table, format_points_table, summarise_frontier, to_json
     from ..bench.plot import save_frontier_png
 
     dtype = "" if config.dtype == "float32" else f"-{config.dtype}"
@@ -322,5 +330,5 @@ def run_frontier_command(config: "BenchConfig", output: str | None) -> int:
     print(format_ceiling_table(report))
     print()
     print(format_points_table(report))
-    _write_results(report, path, save_json, save_frontier_png, result.run_dir)
+    _write_results(report, path, to_json, save_frontier_png, result.run_dir)
     return 1 if any(p.status == "failed" for p in result.points) else 0

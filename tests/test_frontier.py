@@ -328,3 +328,23 @@ def test_peer_table_pairs_hilore_with_every_method_at_every_ceiling(tmp_path, ca
     path.write_text("{not json")
     assert peer_table.main([str(path)]) == 2
     assert "is not a readable frontier result" in capsys.readouterr().err
+
+
+def test_peer_table_pairs_by_fastest_step_where_interference_hits_some_rounds(tmp_path, capsys):
+    """One-sided noise (a slow round of the other method) moves the paired mean, not the fastest steps."""
+    from hilore_compiler.bench import peer_table
+
+    def run(seconds):
+        return {"status": "ok", "samples": [{"seconds": 9.0, "peak_bytes": 0, "round": None}]  # warm-up: not counted
+                + [{"seconds": s, "peak_bytes": 0, "round": r} for r, s in enumerate(seconds)]}
+
+    result = {"hilore_method": "hilore", "tokens_per_step": 100, "runs": {
+        "hilore@1x": run([1.0, 1.0, 1.0, 1.0]), "gc": run([1.1, 1.65, 1.1, 1.65])}, "points": [
+        {"method": "hilore", "ceiling": 1.0, "run": "hilore@1x", "fits": True},
+        {"method": "gc", "ceiling": 1.0, "run": "gc", "fits": True}]}
+    (gc,) = peer_table.pairings(result)
+    assert gc.fastest == pytest.approx(1.1) and gc.ratio.ratio > 1.3
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    assert peer_table.main([str(path), "--fastest"]) == 0
+    assert "| 1 | 1.100 |" in capsys.readouterr().out

@@ -8,6 +8,11 @@ interval, from the per-step samples the result file keeps. Run it on a
 committed result:
 
     python -m hilore_compiler.bench.peer_table bench/results/frontier-small-T2048-t1-peers.json
+
+``--fastest`` prints the same pairings by each run's fastest counted step
+instead: on a shared machine interference only ever adds time, so where it
+hits steps at random the fastest step is each plan's least disturbed time.
+A point estimate without an interval, beside the paired one, not instead.
 """
 
 from __future__ import annotations
@@ -42,10 +47,17 @@ class Pairing:
     own: bool = False
     #: The frontier point's status (``frontier.MEASURED``, ``DOES_NOT_FIT``, ...): why a point has no run.
     status: str = MEASURED
+    #: HiLoRe's speed over the other's by each run's fastest counted step (None where ``ratio`` is).
+    fastest: float | None = None
 
 
 def _samples(run: Mapping[str, Any]) -> list[StepSample]:
     return [StepSample(**s) for s in run.get("samples", [])]  # as the result file writes them (``asdict``)
+
+
+def _fastest_step(samples: list[StepSample]) -> float | None:
+    counted = [s.seconds for s in samples if s.round is not None]
+    return min(counted) if counted else None
 
 
 def pairings(result: Mapping[str, Any]) -> list[Pairing]:
@@ -58,12 +70,14 @@ def pairings(result: Mapping[str, Any]) -> list[Pairing]:
         if p["method"] == hilore or p["ceiling"] not in mine:
             continue
         ours, theirs = runs.get(mine[p["ceiling"]]), runs.get(p["run"]) if p["run"] else None
-        ratio = None
+        ratio = fastest = None
         own = p["run"] == mine[p["ceiling"]]
         if not own and ours is not None and theirs is not None and theirs.get("status") == "ok":
             ratio = paired_ratio(_samples(ours), _samples(theirs), tokens)
+            steps = _fastest_step(_samples(ours)), _fastest_step(_samples(theirs))
+            fastest = steps[1] / steps[0] if None not in steps else None
         found.append(Pairing(ceiling=p["ceiling"], method=p["method"], run=p["run"], fits=bool(p.get("fits")),
-                             ratio=ratio, own=own, status=p.get("status", MEASURED)))
+                             ratio=ratio, own=own, status=p.get("status", MEASURED), fastest=fastest))
     return found
 
 
@@ -80,8 +94,9 @@ def weakest(found: list[Pairing]) -> dict[float, Pairing]:
     return worst
 
 
-def format_table(found: list[Pairing]) -> str:
-    """A markdown table: a row per ceiling, a column per method (ratio [95%], or why none)."""
+def format_table(found: list[Pairing], *, fastest: bool = False) -> str:
+    """A markdown table: a row per ceiling, a column per method (ratio [95%], or why none);
+    ``fastest``: the ratio by fastest steps (``Pairing.fastest``) instead."""
     ceilings = sorted({p.ceiling for p in found})
     methods = list(dict.fromkeys(p.method for p in found))
     cell = {(p.ceiling, p.method): p for p in found}
@@ -96,6 +111,8 @@ def format_table(found: list[Pairing]) -> str:
             return "does not fit"
         if p.ratio is None:
             return "failed"
+        if fastest:
+            return f"{p.fastest:.3f}" if p.fastest is not None else "no step"
         r = p.ratio
         return f"{r.ratio:.3f}" if r.low is None else f"{r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}]"
 
@@ -108,6 +125,8 @@ def format_table(found: list[Pairing]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hilore_compiler.bench.peer_table", description=__doc__.split("\n\n")[0])
     parser.add_argument("result", type=Path, help="a hilore bench --ceilings result (JSON)")
+    parser.add_argument("--fastest", action="store_true",
+                        help="pair by each run's fastest counted step instead of by round (no interval)")
     args = parser.parse_args(argv)
     try:
         result = json.loads(args.result.read_text())
@@ -115,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as error:
         print(f"peer_table: error: {args.result} is not a readable frontier result ({error})", file=sys.stderr)
         return 2
-    print(format_table(found))
+    print(format_table(found, fastest=args.fastest))
+    if args.fastest:
+        return 0
     for c, p in sorted(weakest(found).items()):
         print(f"{c:g}x: weakest pairing against {p.method} ({p.run}): {p.ratio.format()}")
     return 0

@@ -2,6 +2,10 @@
 
     python bench/plan_ab.py ROUNDS A.plan.json B.plan.json [C.plan.json ...]
 
+A plan may instead be ``inductor-fp8:SIZE_MB``: plain Inductor with its fp8 saved activations
+(the bench's ``inductor-fp8`` at that ``size_in_mb``), to compare a plan with that peer in one
+process.
+
 Every plan compiles its own copy of the policy (same weights, same batch: fp32, batch 2, 2048
 tokens, one thread); each round runs two steps of each, in forward then reversed order. One
 process for all removes the bench's per-worker differences but keeps the allocator's placement
@@ -15,6 +19,7 @@ import time
 
 import torch
 
+from hilore_compiler.bench.peers import INDUCTOR_FP8, compile_context
 from hilore_compiler.bench.worker import actor_step, make_data
 from hilore_compiler.grpo import GRPOConfig
 from hilore_compiler.models import build_model
@@ -26,10 +31,15 @@ def main(rounds: int, plans: list[str]) -> None:
     for plan in plans:
         model = build_model("small", seed=0)
         data = make_data(model.config.vocab_size, 2, 2048, 0, torch.device("cpu"))
-        policy = torch.compile(model, backend="hilore", options={"plan": plan})
         began = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        actor_step(policy, data, config)
+        if plan.startswith(INDUCTOR_FP8 + ":"):
+            policy = torch.compile(model)
+            with compile_context(INDUCTOR_FP8, float(plan.split(":", 1)[1]), torch.device("cpu"))():
+                actor_step(policy, data, config)  # compiles under the fp8 pass
+        else:
+            policy = torch.compile(model, backend="hilore", options={"plan": plan})
+            actor_step(policy, data, config)
         print(f"{plan}: first step {time.perf_counter() - began:.1f} s", flush=True)
         runs.append((plan, model, policy, data))
     seconds: dict[str, list[float]] = {plan: [] for plan in plans}

@@ -7,7 +7,7 @@ speed over each fitting method's point, paired by round with its 95%
 interval, from the per-step samples the result file keeps. Run it on a
 committed result:
 
-    python -m hilore_compiler.bench.peer_table bench/results/frontier-small-T2048-t1-peers.json
+    python -m hilore_compiler.bench.peer_table bench/results/frontier-small-T2048-t1-peers-fixedheap.json
 
 ``--fastest`` prints the same pairings by each run's fastest counted step
 instead: on a shared machine interference only ever adds time, so where it

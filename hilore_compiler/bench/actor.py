@@ -47,7 +47,7 @@ import torch
 from ..grpo import GRPOConfig, RolloutBatch, group_advantages
 from ..grpo.coefficients import exposure_bound_before_forward
 from ..vocabulary import to_plan_exposure
-from .process import HEAPS, WorkerError, WorkerProcess, worker_env
+from .process import WorkerError, WorkerProcess, check_heap, worker_env
 from .rounds import MethodRun, Progress, close_workers, compare_grads, describe, measure_rounds
 
 #: Methods in set-up order; ``store-all`` first: it is the gradient reference.
@@ -118,8 +118,7 @@ class ActorBenchConfig:
         unknown = [m for m in self.methods if m not in ACTOR_METHODS]
         if unknown or not self.methods:
             raise ValueError(f"unknown or no methods {unknown}; choose from {', '.join(ACTOR_METHODS)}")
-        if self.heap not in HEAPS:
-            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
+        check_heap(self.heap)
         if not 0 < self.prompt_len < self.seq_len - 1 or self.microbatch < 1 or self.groups < 1:
             raise ValueError("need 0 < prompt_len < seq_len - 1, microbatch >= 1 and groups >= 1")
         if self.loss_type not in ("dapo", "grpo"):

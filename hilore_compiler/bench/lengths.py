@@ -31,7 +31,7 @@ import torch
 from .lengths_worker import DEFAULT_LENGTH_METHODS, LENGTH_METHODS, LengthsWorkerConfig
 from .measure import gradient_fidelity
 from .paired import format_paired, geometric_interval
-from .process import HEAPS, WorkerError, WorkerProcess, worker_env
+from .process import WorkerError, WorkerProcess, check_heap, worker_env
 
 Progress = Callable[[str], None]
 #: The ceiling the report holds every method to, as a multiple of GC's peak at the same length.
@@ -64,8 +64,7 @@ class LengthsBenchConfig:
                              f"unknown: {unknown}")
         if len(self.lengths) < 2 or min(self.lengths) < 2 or len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"--lengths needs two or more distinct lengths >= 2, got {self.lengths}")
-        if self.heap not in HEAPS:
-            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
+        check_heap(self.heap)
         if self.repeats < 1 or self.steps_per_round < 1:
             raise ValueError("repeats and steps_per_round must be >= 1")
 

@@ -27,7 +27,7 @@ from ..models import DTYPES
 from .launcher import Launcher
 from .methods import DEFAULT_METHODS, METHODS
 from .rounds import MethodRun, Progress, close_workers, compare_grads, measure_rounds, warm_peak, warm_seconds
-from .process import HEAPS
+from .process import check_heap
 from .peers import PT_BUDGETS, SEARCHED, hidden_state_mb, knob_name, probe_grid
 from .search import BudgetSearch, search_budget
 
@@ -101,8 +101,7 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2 or self.warmup < 0 or self.settle_rounds < 0:
             raise ValueError("seq_len must be >= 2, warmup >= 0 and settle_rounds >= 0")
-        if self.heap not in HEAPS:
-            raise ValueError(f"heap must be one of {', '.join(HEAPS)}, got {self.heap!r}")
+        check_heap(self.heap)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.pt_budget is not None and not 0.0 <= self.pt_budget <= 1.0:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..jsonio import FormatError
 from ..planfile import Plan, load_plan
 from ..tracefile import Trace, load_trace
+from .report import HiLoReWarning, say
 
 if TYPE_CHECKING:
     from .options import BackendOptions
@@ -43,8 +44,6 @@ def default_cache_dir() -> str:
 
 
 def _warn(message: str) -> None:
-    from .planning import HiLoReWarning
-
     warnings.warn(f"hilore: {message}", HiLoReWarning, stacklevel=4)
 
 
@@ -102,8 +101,6 @@ class PlanCache:
             _warn(f"the cached {what} {path} is unreadable ({error}); " + (
                 f"moved it to {where} and {instead}" if where else instead))
             return None
-        from .planning import say
-
         say(self.options, f"using cached {what} {path}")
         return record
 

@@ -6,7 +6,7 @@ profile, solve, apply), so the units planned are the units applied. The plan
 and its trace are cached on disk under a key of the graph, its inputs, the
 compiler settings and versions and the planning options (``cachekey``), so
 the next process starts from the plan (``PlanCache``). A given plan is matched to the graph's units by key
-(``matching``); a plan made for another shape is re-solved from its trace. Under a multi-rank
+(``matching``); a plan made for another shape is re-solved from its trace (``lengths``). Under a multi-rank
 ``torch.distributed`` run rank 0 plans each graph and the other ranks run its plans
 (``distributed/plan_share``), read by a key of the graph's structure that every rank shares.
 """
@@ -26,133 +26,17 @@ from ..distributed.plan_share import PlanShare, Shared, plan_set, plan_share
 from ..passes.annotate import UnitNodes, annotate_units
 from ..passes.apply import PlanMismatchError
 from ..passes.capture import GraphCapture, capture_joint, lifted_args
-from ..planfile import Plan, load_plan
+from ..planfile import Plan
 from ..tracefile import Trace, load_trace
 from .cache import PlanCache, StaleCacheError
 # cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
 from .cachekey import cache_key, structure_key, trace_key  # noqa: F401
+from .lengths import beyond_range, ceiling_at, given_plans, planned_range, solve_lengths
 from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
+# HiLoReWarning, say, fall_back: importable from here too, as callers and tests do.
+from .report import HiLoReWarning, fall_back, say  # noqa: F401
 from .shapes import graph_shape, is_dynamic, shape_at, shape_slot  # noqa: F401
-
-class HiLoReWarning(UserWarning):
-    """The backend fell back to Inductor's own choice for something it could not plan."""
-
-
-def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
-    """The plans the options ask for over ``seq_range``: one per length bucket, shortest first.
-
-    One length gives one plan, solved exactly as a static graph's; a range
-    gives range plans (``solver.lengths``), split into at most
-    ``options.length_buckets`` where that pays.
-    """
-    from ..solver import DEFAULT_RISK_BUDGET
-    from ..solver.cbc import reporting
-    from ..solver.lengths import solve_length_buckets
-
-    risk = DEFAULT_RISK_BUDGET if options.risk_budget is None else options.risk_budget
-    # A long CBC run says how it is doing (verbose only); the planner's other lines stay quiet here.
-    with reporting(lambda line: say(options, f"solver: {line}")):
-        return solve_length_buckets(trace, seq_range, options.memory_budget, max_buckets=options.length_buckets,
-                                    length_mix=options.length_mix, risk_budget=risk, buckets=options.buckets,
-                                    codecs=list(options.codecs), batch=batch, loss_ratio=options.loss_ratio,
-                                    gc_peak_bytes=options.gc_peak_bytes)
-
-
-def ceiling_at(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> int:
-    """The memory ceiling ``options.memory_budget`` sets at one shape, in bytes
-    (an ``x-gc`` budget: GC's predicted peak at that shape times x)."""
-    from ..solver import cost_model, parse_budget
-
-    model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=[], loss_ratio=options.loss_ratio)
-    return parse_budget(options.memory_budget).bytes_at(gc_bytes=model.gc_bytes, store_bytes=model.store_bytes)
-
-
-def planned_range(options: BackendOptions, seq_len: int, seen: tuple[int, int] | None = None) -> tuple[int, int]:
-    """The lengths a graph's plans hold over: the options' bounds where given, else those seen.
-
-    A call outside ``seen`` widens it to the next power of two beyond the
-    call's length (down to the one below it for a shorter call), so a run
-    whose lengths creep up re-solves about log2(range) times, not every step.
-    """
-    if seen is None:
-        lo = hi = seq_len
-    else:
-        lo, hi = seen
-        if seq_len > hi:
-            hi = 1 << (seq_len - 1).bit_length()
-        if seq_len < lo:
-            lo = 1 << (seq_len.bit_length() - 1)
-    if options.min_seq_len is not None:
-        lo = min(options.min_seq_len, lo)
-    if options.max_seq_len is not None:
-        hi = max(options.max_seq_len, hi)  # a longer call widens it as above: planned, and said
-    return lo, max(lo, hi)
-
-
-def beyond_range(options: BackendOptions, seq_len: int) -> str | None:
-    """What to say of a call longer than ``options.max_seq_len`` (planned all the same), or None."""
-    limit = options.max_seq_len
-    if limit is None or seq_len <= limit:
-        return None
-    return (f"hilore: a call of sequence length {seq_len} is beyond max_seq_len {limit}; it is planned "
-            "(the memory ceiling checked at its length), but raise max_seq_len to plan such lengths from the start")
-
-
-def say(options: BackendOptions, message: str) -> None:
-    """Progress on stderr when ``options.verbose``."""
-    if options.verbose:
-        import sys
-
-        print(f"hilore: {message}", file=sys.stderr, flush=True)
-
-
-def fall_back(options: BackendOptions, error: Exception, what: str) -> None:
-    """Raise ``error`` under ``strict``; otherwise say once that Inductor decides ``what``."""
-    if options.strict:
-        raise error
-    warnings.warn(f"hilore: {error}; {what} falls back to Inductor's own choice "
-                  "(options={'strict': True} raises instead)", HiLoReWarning, stacklevel=3)
-
-
-def given_plans(options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
-    """The user's plans (one per length bucket) when they hold over ``seq_range`` at ``batch``;
-    else re-solved from ``options.trace``."""
-    given = options.plan if isinstance(options.plan, tuple) else (options.plan,)
-    plans = tuple(sorted((p if isinstance(p, Plan) else load_plan(p) for p in given), key=lambda p: p.length_range))
-    if len({p.fingerprint for p in plans}) > 1:
-        raise PlanMismatchError("the length-bucket plans given were made for different models (fingerprints "
-                                f"{sorted({p.fingerprint for p in plans})}): give the plans of one trace")
-    lo, hi = seq_range
-    if all(p.batch == batch for p in plans) and _covered(plans, lo, hi):
-        return plans
-    where = f"sequence {hi}" if lo == hi else f"sequences {lo} to {hi}"
-    made = ", ".join("{}-{}".format(*p.length_range) for p in plans)
-    if options.trace is None:
-        raise PlanMismatchError(
-            f"the plan was made for batch {plans[0].batch}, sequence lengths {made} but this graph runs batch "
-            f"{batch}, {where}: pass options={{'trace': TRACE}} to re-solve it for these shapes, or run "
-            "`hilore plan TRACE --batch B --seq-len S` (or --seq-len LO:HI for a range)"
-        )
-    trace = load_trace(options.trace)
-    if trace.fingerprint != plans[0].fingerprint:
-        raise PlanMismatchError(
-            f"trace {options.trace} (fingerprint {trace.fingerprint}) is not the plan's "
-            f"model (fingerprint {plans[0].fingerprint})"
-        )
-    say(options, f"re-solving the plan for batch {batch}, {where} from {options.trace}")
-    return solve_lengths(trace, options, batch, seq_range)
-
-
-def _covered(plans: Sequence[Plan], lo: int, hi: int) -> bool:
-    """Whether the plans' length ranges (sorted) cover every length from ``lo`` to ``hi``."""
-    reached = lo - 1
-    for plan in plans:
-        start, end = plan.length_range
-        if start > reached + 1:
-            break
-        reached = max(reached, end)
-    return reached >= hi
 
 
 def trace_capture(capture: GraphCapture, options: BackendOptions, batch: int, seq_len: int, name: str) -> Trace:

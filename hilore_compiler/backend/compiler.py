@@ -30,7 +30,8 @@ from .matching import default_bucket
 from .cache import StaleCacheError
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
-from .planning import GraphPlanner, HiLoReWarning, fall_back
+from .planning import GraphPlanner
+from .report import HiLoReWarning, fall_back
 from .variants import VariantTable, compile_variant as _compile_variant
 
 

@@ -34,7 +34,7 @@ from .cachekey import cache_key, structure_key, trace_key  # noqa: F401
 from .lengths import beyond_range, ceiling_at, given_plans, planned_range, solve_lengths
 from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
-# HiLoReWarning, say, fall_back: importable from here too, as callers and tests do.
+# HiLoReWarning, say, fall_back: importable from here too, as tests do.
 from .report import HiLoReWarning, fall_back, say  # noqa: F401
 from .shapes import graph_shape, is_dynamic, shape_at, shape_slot  # noqa: F401
 

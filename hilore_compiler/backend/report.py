@@ -27,4 +27,3 @@ def fall_back(options: BackendOptions, error: Exception, what: str) -> None:
         raise error
     warnings.warn(f"hilore: {error}; {what} falls back to Inductor's own choice "
                   "(options={'strict': True} raises instead)", HiLoReWarning, stacklevel=3)
-

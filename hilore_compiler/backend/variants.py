@@ -26,8 +26,10 @@ from ..passes.capture import light_copy
 from ..planfile import Plan
 from .matching import default_bucket
 from .partitioner import PartitionRecord, PlanPartitioner
-from .planning import GraphPlanner, HiLoReWarning, shape_at
+from .planning import GraphPlanner
+from .report import HiLoReWarning
 from .runtime import current_bucket
+from .shapes import shape_at
 
 if TYPE_CHECKING:
     from .compiler import CompiledGraph

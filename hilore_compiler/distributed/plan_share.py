@@ -191,7 +191,7 @@ def _say_alone(what: str) -> None:
     if _warned:
         return
     _warned = True
-    from ..backend.planning import HiLoReWarning
+    from ..backend.report import HiLoReWarning
 
     warnings.warn(f"hilore: {what}, so its plans may differ from rank 0's (options['share_timeout_s'] "
                   "is how long a rank waits once rank 0 started; share_plans=False plans on every rank)",

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..backend.planning import HiLoReWarning
+from ..backend.report import HiLoReWarning
 from ..models.logprobs import chunked_token_logprobs, token_logprobs
 from ..passes.capture import fresh_code
 from .config import GRPOConfig

@@ -21,8 +21,9 @@ from dataclasses import asdict
 from typing import Any
 
 from .actor import LABELS, PLAN_OF, SKIPPING, ActorBenchConfig
+from .host import environment
 from .paired import format_paired, paired_ratio
-from .report import Spread, environment
+from .report import Spread
 from .rounds import MethodRun
 
 ACTOR_SCHEMA = "hilore.bench-actor/v1"

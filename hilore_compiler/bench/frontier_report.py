@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .frontier import DOES_NOT_FIT, FrontierRun, Point
+from .host import environment
 from .launcher import REFERENCE_GC
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
-from .report import MethodStats, environment, method_stats, run_record
+from .report import MethodStats, method_stats, run_record
 
 FRONTIER_SCHEMA = "hilore.frontier/v1"
 

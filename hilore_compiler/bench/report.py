@@ -13,14 +13,11 @@ also as the geometric mean of per-round paired ratios with a 95% interval
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
-
+from .host import environment
 from .methods import LABELS
 from .paired import PairedRatio, paired_ratio
 from .rounds import MethodRun, peak_samples
@@ -237,36 +234,6 @@ def recovered_fraction(stats: dict[str, MethodStats]) -> float | None:
     if overhead <= 0:
         return None  # GC no slower than store-all: nothing to recover (noise dominates)
     return (times["gc"] - times["hilore"]) / overhead
-
-
-def cpu_model() -> str:
-    """The CPU's name as the kernel reports it (``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def environment(device: str) -> dict[str, Any]:
-    """Where the run happened: enough to tell two result files apart.
-
-    The CPU's name and the vector ISA Inductor compiles for (``AVX2``,
-    ``AVX512``) are part of it: GC's step of the default configuration took
-    1.6 s on one machine of this project's kind and 2.6 s on another.
-    """
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "platform": platform.platform(), "machine": platform.machine(),
-           "processor": platform.processor(), "cpu_model": cpu_model(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-           "loadavg_end": list(os.getloadavg()), "device": device}
-    if device == "cuda":
-        env["cuda_device"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -276,9 +276,10 @@ def _progress(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..bench.host import bf16_emulation_warning
     from ..bench.plot import save_png
     from ..bench.report import format_table, format_targets, summarise, to_json
-    from ..bench.runner import run_bench
+    from ..bench.runner import resolve_device, run_bench
 
     if args.nproc:
         from ..bench.distributed import run_command
@@ -293,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths:
         return run_lengths(args)
     config = config_from_args(args)
+    warning = bf16_emulation_warning(resolve_device(config.device), config.dtype)
+    if warning:
+        _progress(f"warning: {warning}")
     if config.ceilings:
         return run_frontier_command(config, args.output)
     output = Path(args.output or RESULTS_DIR / f"bench-{config.model}-T{config.seq_len}.json")

@@ -47,7 +47,7 @@ _EXPORTS = {
     "solve": ("hilore_compiler.solver", "solve"),
     "exposure": ("hilore_compiler.backend.runtime", "exposure"),
     "load_trace": ("hilore_compiler.tracefile", "load_trace"),
-    "load_plan": ("hilore_compiler.planfile", "load_plan"),
+    "load_plan": ("hilore_compiler.planload", "load_plan"),
     "Trace": ("hilore_compiler.tracefile", "Trace"),
     "Plan": ("hilore_compiler.planfile", "Plan"),
     "HiLoReBackend": ("hilore_compiler.backend", "HiLoReBackend"),

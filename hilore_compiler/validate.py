@@ -1,6 +1,6 @@
 """One validation pass over a trace or plan, before anything plans with it.
 
-The loaders (``tracefile``, ``planfile``) check that every field is there with
+The loaders (``tracefile``, ``planload``) check that every field is there with
 the right JSON type; this pass checks what the values mean: numbers finite and
 non-negative, sizes parseable and non-negative at the traced shape, keys
 unique, layers an index or null (outside the layer stack), every referenced

@@ -207,7 +207,7 @@ def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monk
     """``calibrated=``: the first solve writes the calibrated trace, the next reads it
     instead of calibrating again (minutes with int4) and solves the same plans."""
     from hilore_compiler.bench import actor
-    from hilore_compiler.planfile import load_plan
+    from hilore_compiler.planload import load_plan
     from hilore_compiler.tracefile import load_trace
 
     config = actor.ActorBenchConfig(model="tiny", seq_len=64, prompt_len=16, groups=2, group_size=4,

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hilore_compiler import cli
 from hilore_compiler.commands.show import render_plan
 from hilore_compiler.jsonio import FormatError
-from hilore_compiler.planfile import load_plan
+from hilore_compiler.planload import load_plan
 from hilore_compiler.solver import InfeasibleBudgetError, SolverOptions, solve
 from hilore_compiler.tracefile import load_trace, trace_from_json
 

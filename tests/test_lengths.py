@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hilore_compiler.planfile import load_plan
+from hilore_compiler.planload import load_plan
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.lengths import (LENGTH_BUCKET_PRICE, length_grid, length_weights, mixed_time_s,
                                             plan_for_length, solve_length_buckets, solve_range)

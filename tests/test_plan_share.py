@@ -166,7 +166,7 @@ def test_the_exchange_over_a_real_store_waits_for_rank_0():
 
     import torch.distributed as dist
 
-    from hilore_compiler.planfile import plan_from_json
+    from hilore_compiler.planload import plan_from_json
     from hilore_compiler.solver import solve
     from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from hilore_compiler.jsonio import FormatError
-from hilore_compiler.planfile import PEAK_PARTS, PLAN_SCHEMA, Plan, load_plan, plan_from_json
+from hilore_compiler.planfile import PEAK_PARTS, PLAN_SCHEMA, Plan
+from hilore_compiler.planload import load_plan, plan_from_json
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 

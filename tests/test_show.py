@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hilore_compiler import cli
-from hilore_compiler.planfile import load_plan
+from hilore_compiler.planload import load_plan
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 

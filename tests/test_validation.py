@@ -16,7 +16,8 @@ import pytest
 from hilore_compiler import cli
 from hilore_compiler.backend.options import BackendOptions
 from hilore_compiler.jsonio import FormatError, OutputPathError, check_output_path, save_or_fallback
-from hilore_compiler.planfile import Plan, load_plan
+from hilore_compiler.planfile import Plan
+from hilore_compiler.planload import load_plan
 from hilore_compiler.solver import solve
 from hilore_compiler.solver.synthetic import SyntheticConfig, synthetic_trace
 from hilore_compiler.tracefile import load_trace

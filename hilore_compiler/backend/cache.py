@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..jsonio import FormatError
-from ..planfile import Plan, load_plan
+from ..planfile import Plan
+from ..planload import load_plan
 from ..tracefile import Trace, load_trace
 from .report import HiLoReWarning, say
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..passes.apply import PlanMismatchError
-from ..planfile import Plan, load_plan
+from ..planfile import Plan
+from ..planload import load_plan
 from ..tracefile import Trace, load_trace
 from .options import BackendOptions
 from .report import say

@@ -24,7 +24,7 @@ import torch
 from ..evaluation.arms import FixedBatch
 from ..grpo import ExposureBuckets, UpdateConfig, actor_update, plan_buckets
 from ..models import build_model
-from ..planfile import load_plan
+from ..planload import load_plan
 from .actor import PLAN_OF, SKIPPING, ActorBenchConfig, base_method, loss_config, make_batch, worker_payload
 from .measure import StepSample, allocator_peak, measure_step
 from .methods import wrap_layers

@@ -28,8 +28,8 @@ from ..planfile import (
     BucketSpec,
     Plan,
     PlanUnit,
-    plan_from_json,
 )
+from ..planload import plan_from_json
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
 from ..solver.memory import cost_model

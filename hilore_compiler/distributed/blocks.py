@@ -146,7 +146,7 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None, *
     if backend == "hilore":
         plan = options.pop("plan", None)
         if plan is not None and not isinstance(plan, Plan):
-            from ..planfile import load_plan
+            from ..planload import load_plan
 
             plan = load_plan(plan)
         compilers, kwargs = _block_compilers(plan, options, len(blocks)), {}

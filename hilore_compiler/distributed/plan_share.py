@@ -53,7 +53,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..planfile import Plan, plan_from_json
+from ..planfile import Plan
+from ..planload import plan_from_json
 from ..tracefile import Trace, trace_from_json
 
 #: Prefix of every key this module sets in the process group's store.

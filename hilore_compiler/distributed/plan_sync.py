@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planfile import Plan, plan_from_json
+from ..planfile import Plan
+from ..planload import plan_from_json
 from ..tracefile import Trace
 
 

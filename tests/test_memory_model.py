@@ -54,7 +54,7 @@ def test_memory_model_by_hand():
 
 def test_rebuilt_units_are_freed_as_backward_consumes_them():
     """A segment holds at once only the rebuilt units whose windows meet
-    (memory.Segment): from their latest reader down to themselves, and a
+    (segments.Segment): from their latest reader down to themselves, and a
     recomputed unit from the moment a recomputed reader needs it."""
     trace = synthetic_trace(SyntheticConfig(num_layers=2, hidden=8, intermediate=16, heads=2, kv_heads=2,
                                             vocab=8, batch=1, seq_len=1))

@@ -52,7 +52,7 @@ class UnitNodes:
     not_recomputable_reason: str | None
     #: Key of the first unit made after the last forward op whose backward
     #: reads this unit (``READ_PAST_UNITS`` when none is): backward needs it
-    #: from that unit's cut down to its own (``solver.memory.Segment``).
+    #: from that unit's cut down to its own (``solver.segments.Segment``).
     read_until: str = READ_PAST_UNITS
 
     @property

@@ -9,7 +9,7 @@ Variables, per nonzero bucket b
                 bytes count at the cuts of its window when it is not stored;
                 a recomputed unit's also after it, through z[b, u, p] >=
                 x[b, v, R] - x[b, u, S] for each recomputed reader v rebuilt
-                at p (``memory.rebuilt_from``). z and the segment's workspace
+                at p (``segments.rebuilt_from``). z and the segment's workspace
                 W[b, g] are continuous: minimising time under a ceiling on T
                 never gains from raising them.
 
@@ -55,7 +55,8 @@ from dataclasses import dataclass
 import pulp
 
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
-from .memory import CostModel, Segment, UnitCost
+from .memory import CostModel, UnitCost
+from .segments import Segment
 from .tying import Tying, untied
 
 #: Memory and time enter the ILP in thousandths of a reference (see
@@ -206,7 +207,7 @@ class _Bucket:
 
     def _rebuilt_early(self, s: int, segment: Segment) -> dict[tuple[int, int], pulp.LpVariable]:
         """z[i, p] for each unit i and cut p after its window at which a recomputed
-        reader can have it rebuilt (``memory.rebuilt_from``), with its constraints."""
+        reader can have it rebuilt (``segments.rebuilt_from``), with its constraints."""
         prob, units, n = self.problem.prob, segment.units, len(segment.units)
         early: dict[tuple[int, int], pulp.LpVariable] = {}
         # Readers come after the units they read, so walking backwards defines them first.

@@ -48,11 +48,11 @@ The activation part (``transient`` and ``kept``):
     kept      = sum of stored unit bytes + sum of compressed bytes
     transient = what backward holds at once to recover units. Backward runs
                 one segment at a time and, inside it, from the last unit to
-                the first (``Segment``). A recomputed or decoded unit is
+                the first (``segments.Segment``). A recomputed or decoded unit is
                 rebuilt for its latest reader's backward and freed once
                 backward is past itself; a recomputed unit is rebuilt earlier
                 when a recomputed reader is, since that recomputation reads
-                it (``rebuilt_from``). At each cut p of segment g backward holds
+                it (``segments.rebuilt_from``). At each cut p of segment g backward holds
                     alive(g, p) = bytes of the units of g rebuilt at p
                   + the larger of g's recompute workspace (the largest of its
                     recomputed units') and its gradient workspace
@@ -67,7 +67,7 @@ instead, as this model did before, over-predicted HiLoRe's measured peak by
 7.8% and uniform int8's by 13.8% on the bench's ``small`` step; with windows
 the two are within 1.2% and 2.1% (GC and store-all, which rebuild all or
 nothing, do not change). Only the cuts where a segment's rebuilt bytes can peak
-are checked (``Segment.peak_cuts``). Units outside the layer stack (layer
+are checked (``segments.Segment.peak_cuts``). Units outside the layer stack (layer
 None) form one segment, ``outside``.
 
 Rules (``rule_violations``):
@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE, group_of
 from .risk import sensitivity
+from .segments import Segment, backward_segments, by_segment, rebuilt_from
 from .stepterms import PeakParts, StepTerms, gc_worst, size_at, step_terms
 
 
@@ -145,123 +146,6 @@ class UnitCost:
         if option == RECOMPUTE:
             return self.recompute_time_s
         return self.codecs[option.removeprefix(COMPRESS_PREFIX)].time_s
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Segment:
-    """One backward segment's units in forward order, and when backward needs each.
-
-    Backward walks the units from the last to the first. At cut ``p``
-    (1 <= p <= n) it runs the backward of the ops that make unit ``p`` (cut n:
-    those after the last unit), which read units before ``p``. So a unit is
-    needed at the cuts between the last one whose backward reads it and
-    itself (``window``).
-    """
-
-    name: str
-    units: tuple[UnitCost, ...]
-    #: Per unit: the last cut that needs it (n: read past the segment's units;
-    #: see ``backward_segments``).
-    needed_until: tuple[int, ...]
-    #: Per unit: the indices of the segment's units whose recomputation reads it.
-    readers: tuple[tuple[int, ...], ...]
-    #: Units of other segments that backward rebuilds before it reaches their
-    #: own (``carried_units``), each with the first and last cut here that
-    #: hold it when it is not stored.
-    carried: tuple[tuple[UnitCost, int, int], ...] = ()
-
-    def window(self, i: int) -> range:
-        """The cuts at which unit ``i`` is needed for its own readers' gradients."""
-        return range(i + 1, self.needed_until[i] + 1)
-
-    @property
-    def peak_cuts(self) -> tuple[int, ...]:
-        """The cuts where the segment's rebuilt bytes can peak, whatever the plan.
-
-        A unit is alive over the cuts from just after itself to where it is
-        rebuilt, one of the ``needed_until`` (``rebuilt_from`` only moves it to a
-        reader's), a carried unit over cuts ending at its last one, and a sum
-        of such intervals peaks at one of their ends: moving right from
-        anywhere else loses no interval.
-        """
-        return tuple(sorted({*self.needed_until, *(last for _, _, last in self.carried)}))
-
-    def carried_at(self, cut: int) -> tuple[UnitCost, ...]:
-        """The other segments' units this cut holds when they are not stored."""
-        return tuple(u for u, first, last in self.carried if first <= cut <= last)
-
-
-def backward_segments(units: Sequence[UnitCost]) -> tuple[Segment, ...]:
-    """Group ``units`` (in trace order, i.e. forward order) by segment, with their windows.
-
-    A unit is needed down from the cut of its ``read_until`` unit (the last
-    cut, ``len(units)``, when that unit is in another segment or made after
-    every unit). Traces that do not record ``read_until`` take the latest unit
-    of the segment whose recomputation reads it instead, which overstates the
-    window when forward derives much from it that nobody saves (every
-    log-prob chunk's logits feed the loss's one saved ratio).
-    """
-    grouped = _segments(units)
-    carried = carried_units(units, grouped)
-    segments = []
-    for name, us in grouped.items():
-        index = {u.key: i for i, u in enumerate(us)}
-        readers: list[list[int]] = [[] for _ in us]
-        for j, v in enumerate(us):
-            for key in v.recompute_from:
-                if key in index:
-                    readers[index[key]].append(j)
-        needed = tuple(
-            (max(r) if r else len(us)) if u.read_until is None else index.get(u.read_until, len(us))
-            for u, r in zip(us, readers)
-        )
-        segments.append(Segment(name=name, units=tuple(us), needed_until=needed,
-                                readers=tuple(tuple(r) for r in readers), carried=carried.get(name, ())))
-    return tuple(segments)
-
-
-def carried_units(units: Sequence[UnitCost],
-                  grouped: Mapping[str, Sequence[UnitCost]]) -> dict[str, tuple[tuple[UnitCost, int, int], ...]]:
-    """Per segment: the units of other segments alive in its backward when not
-    stored, each with the cuts that hold it (``Segment.carried``).
-
-    A unit read by another segment's unit (its ``read_until`` there) is rebuilt
-    or decoded where backward first needs it and lives until backward is past
-    the unit itself. Backward runs the units in reverse forward order, so it is
-    alive at every cut, in any other segment, of the units forward made after
-    it up to its reader. A Hugging Face Llama's attention mask is layer 0's
-    unit read by every layer; recomputed, it was counted in layer 0's backward
-    only, and the plan measured 10% over its prediction. ``outside`` holds units
-    at both ends of forward and between layers, hence cuts, not whole segments.
-    (Its own segment already holds it to the end: ``backward_segments``.)
-    """
-    order = {u.key: i for i, u in enumerate(units)}
-    carried: dict[str, list[tuple[UnitCost, int, int]]] = {}
-    for u in units:
-        last = order.get(u.read_until or "")
-        if last is None:
-            continue
-        own = group_of(u.layer)
-        for g, us in grouped.items():
-            between = [p for p, v in enumerate(us) if order[u.key] < order[v.key] <= last]
-            if g != own and between:
-                carried.setdefault(g, []).append((u, max(between[0], 1), max(between[-1], 1)))
-    return {g: tuple(c) for g, c in carried.items()}
-
-
-def rebuilt_from(segment: Segment, decisions: Mapping[str, str]) -> list[int]:
-    """Per unit of ``segment``: the first cut backward meets with it rebuilt.
-
-    A decoded unit is decoded for its latest reader; a recomputed one also as
-    soon as a recomputed reader is rebuilt, since that recomputation reads it.
-    """
-    first = list(segment.needed_until)
-    for i in reversed(range(len(segment.units))):
-        if decisions[segment.units[i].key] == RECOMPUTE:
-            for j in segment.readers[i]:
-                if decisions[segment.units[j].key] == RECOMPUTE:
-                    first[i] = max(first[i], first[j])
-    return first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -319,7 +203,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
             recompute_from=u.recompute_from, codecs=unit_codecs, read_until=u.read_until,
         ))
     units = tuple(units)
-    segments = _segments(units)
+    segments = by_segment(units)
     gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, size_at(trace.gc_bytes, batch, seq_len))
     # The gradient flowing between layers has a layer input's size, and GC
     # keeps one layer input per layer.
@@ -332,13 +216,6 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
         gc_bytes=gc_kept + gc_worst(gc_rebuilt, step, {g: flowing for g in gc_rebuilt}),
         store_bytes=sum(stored.values()) + step.floor(stored), step=step,
     )
-
-
-def _segments(units: Sequence[UnitCost]) -> dict[str, list[UnitCost]]:
-    segments: dict[str, list[UnitCost]] = {}
-    for u in units:
-        segments.setdefault(group_of(u.layer), []).append(u)
-    return segments
 
 
 def _gc_parts(segments: Mapping[str, Sequence[UnitCost]],

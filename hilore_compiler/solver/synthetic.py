@@ -190,7 +190,7 @@ def random_trace(seed: int, num_units: int = 5, *, codecs: tuple[str, ...] = ("b
     units, a recompute workspace, codecs (some unusable) and, for a share of
     the codecs, a calibrated sensitivity; the rest fall back to the proxy.
     ``read_until``: each unit also draws the unit backward last needs it at,
-    any later one, in its segment or another (``memory.carried_units``).
+    any later one, in its segment or another (``segments.carried_units``).
     """
     rng = random.Random(seed)
     units: list[RecoveryUnit] = []

@@ -195,7 +195,8 @@ def test_loss_ratio_counts_the_eager_loss_backward_over_the_logits():
     """The update's eager log-probs + GRPO loss hold about 3x the logits in
     their backward (measured 2.99x on small): without it the model missed
     store-all's whole loss phase."""
-    from hilore_compiler.bench.actor import ActorBenchConfig, loss_ratio, make_batch
+    from hilore_compiler.bench.actor import ActorBenchConfig, make_batch
+    from hilore_compiler.bench.actor_plans import loss_ratio
 
     config = ActorBenchConfig(model="tiny", seq_len=48, prompt_len=8, groups=2)
     policy = build_model("tiny", seed=0)
@@ -206,7 +207,7 @@ def test_loss_ratio_counts_the_eager_loss_backward_over_the_logits():
 def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monkeypatch):
     """``calibrated=``: the first solve writes the calibrated trace, the next reads it
     instead of calibrating again (minutes with int4) and solves the same plans."""
-    from hilore_compiler.bench import actor
+    from hilore_compiler.bench import actor, actor_plans
     from hilore_compiler.planload import load_plan
     from hilore_compiler.tracefile import load_trace
 
@@ -215,19 +216,19 @@ def test_solve_plans_keeps_its_calibrated_trace_and_reads_it_back(tmp_path, monk
     kept = tmp_path / "calibrated.json"
     said = []
     # What calibration measures is test_calibration's; here it only has to mark the trace.
-    monkeypatch.setattr(actor, "calibrate_on", lambda policy, trace, batch, config: dataclasses.replace(
+    monkeypatch.setattr(actor_plans, "calibrate_on", lambda policy, trace, batch, config: dataclasses.replace(
         trace, notes=(*trace.notes, "calibrated here")))
-    first = actor.solve_plans(config, tmp_path, said.append, calibrated=kept)
+    first = actor_plans.solve_plans(config, tmp_path, said.append, calibrated=kept)
     assert any("calibrating" in s for s in said) and "calibrated here" in load_trace(kept).notes
 
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated again")
 
-    monkeypatch.setattr(actor, "calibrate_on", no_calibration)
+    monkeypatch.setattr(actor_plans, "calibrate_on", no_calibration)
     again_dir = tmp_path / "again"
     again_dir.mkdir()
     said.clear()
-    second = actor.solve_plans(config, again_dir, said.append, calibrated=kept)
+    second = actor_plans.solve_plans(config, again_dir, said.append, calibrated=kept)
     assert said[0] == f"reading the calibrated trace {kept}"
     for name in ("buckets", "blind", "uniform"):
         plans = [load_plan(solved["paths"][name]) for solved in (first, second)]
@@ -253,7 +254,7 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     """MALLOC_MMAP_THRESHOLD_ (which VmHWM needs) slows every method, store-all
     most: the timed workers run without it, each method's peak comes from a
     process of its own with it, and the report reads those peaks."""
-    from hilore_compiler.bench import actor
+    from hilore_compiler.bench import actor, actor_plans
     from hilore_compiler.bench.measure import MMAP_THRESHOLD_ENV, StepSample
     from hilore_compiler.bench.rounds import MethodRun
 
@@ -288,7 +289,7 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     monkeypatch.setattr(actor, "start", start)
     monkeypatch.setattr(actor, "measure_rounds", measure_rounds)
     monkeypatch.setattr(actor, "tensor_peak", lambda *a, **k: 5)
-    monkeypatch.setattr(actor, "solve_plans", lambda *a, **k: {"paths": {}, "info": {
+    monkeypatch.setattr(actor_plans, "solve_plans", lambda *a, **k: {"paths": {}, "info": {
         "blind": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 7}}},
         "buckets": {"predicted_error": 0.0, "buckets": {"b0": {"memory_bytes": 9}}}}, "mix": []})
     monkeypatch.setattr(actor, "ActorWorkerProcess", PeakProcess)
@@ -305,7 +306,7 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     assert "hilore-blind: no peak: boom" in said
 
     # Baselines alone (GC with and without the skip): no trace, no plan to wait for.
-    monkeypatch.setattr(actor, "solve_plans", lambda *a, **k: pytest.fail("solved plans that no method runs"))
+    monkeypatch.setattr(actor_plans, "solve_plans", lambda *a, **k: pytest.fail("solved plans that no method runs"))
     report = actor.run_actor_bench(actor.ActorBenchConfig(model="tiny", methods=("gc", "gc-skip")), said.append)
     assert [r["method"] for r in report["rows"]] == ["gc", "gc-skip"]
 

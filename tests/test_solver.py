@@ -1,4 +1,5 @@
-"""The solver against brute force, its rules, budgets, errors and scale."""
+"""The solver against brute force: its rules, infeasible budgets, the error budget's buckets and scale
+(what it takes: test_solver_inputs.py; when CBC stops early: test_solver_stopped_early.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 import re
 import time
 
-import pulp
 import pytest
 
 from hilore_compiler.planfile import COMPRESS_PREFIX, RECOMPUTE, STORE
@@ -15,9 +15,7 @@ from hilore_compiler.solver import (
     DEFAULT_RISK_BUDGET,
     BucketSpec,
     InfeasibleBudgetError,
-    SolverUnavailableError,
     cost_model,
-    default_buckets,
     parse_budget,
     simulate,
     solve,
@@ -27,11 +25,10 @@ from hilore_compiler.solver.cbc import SolverOptions
 from hilore_compiler.solver.memory import rule_violations
 from hilore_compiler.solver.risk import plan_risk
 from hilore_compiler.solver.planner import MEASURED_CEILING_HEADROOM, verify, verify_risk
-from hilore_compiler.solver.ilp import BucketWeight, expected_time_s
-from hilore_compiler.solver.risk import PROXY_FACTOR, bucket_specs, cosine_to_error2, parse_risk_budget
+from hilore_compiler.solver.ilp import BucketWeight
+from hilore_compiler.solver.risk import PROXY_FACTOR, cosine_to_error2, parse_risk_budget
 from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
 from hilore_compiler.tracefile import Trace
-from hilore_compiler.vocabulary import in_bucket
 
 ONE_BUCKET = [BucketSpec("b", 0.0, math.inf, 1.0)]  # holds every nonzero sample: mass share 1
 RISK = 1e-3  # binds on the random graphs: their squared sensitivities are 2.5e-5..1e-2
@@ -266,6 +263,10 @@ def test_cosine_target_maps_to_the_error_budget():
         assert cos >= math.sqrt(1 - err**2) - 1e-12
 
 
+def _fields(cfg: SyntheticConfig) -> dict:
+    return {f: getattr(cfg, f) for f in cfg.__slots__}
+
+
 def test_proxy_sensitivity_is_flagged_and_calibrated_is_not():
     small = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
                             batch=2, seq_len=16)
@@ -275,204 +276,6 @@ def test_proxy_sensitivity_is_flagged_and_calibrated_is_not():
     calibrated = solve(synthetic_trace(SyntheticConfig(**{**_fields(small), "calibrated": True})),
                        "0.85x-store", buckets=1)
     assert not calibrated.bucket("b0").proxy_sensitivity and calibrated.bucket("b0").notes == ()
-
-
-def _fields(cfg: SyntheticConfig) -> dict:
-    return {f: getattr(cfg, f) for f in cfg.__slots__}
-
-
-def test_other_shape_reevaluates_sizes_and_scales_times():
-    small = SyntheticConfig(num_layers=1, hidden=64, intermediate=172, heads=4, kv_heads=2, vocab=128,
-                            batch=2, seq_len=16)
-    trace = synthetic_trace(small)
-    here = solve(trace, "0.85x-store", buckets=1, codecs="int8")
-    there = solve(trace, "0.85x-store", buckets=1, codecs="int8", batch=4, seq_len=32)
-    assert (there.batch, there.seq_len) == (4, 32)
-    assert there.gc_bytes == 4 * here.gc_bytes and there.store_bytes == 4 * here.store_bytes
-    unit_here, unit_there = here.units[3], there.units[3]
-    assert unit_there.bytes == 4 * unit_here.bytes
-    cost = {o.option: o.time_s for o in unit_here.options}
-    for o in unit_there.options:
-        assert o.time_s == pytest.approx(4 * cost[o.option])
-    assert any("seconds scaled by bytes" in n for n in there.notes)
-
-
-def test_codec_selection_and_unknown_codec():
-    trace = random_trace(3, num_units=5)
-    plain = solve(trace, "1x-store", risk_budget=RISK, buckets=ONE_BUCKET, codecs=[])
-    assert not any(o.startswith(COMPRESS_PREFIX) for o in plain.decisions("b").values())
-    assert plain.codecs == ()
-    with pytest.raises(ValueError, match=r"unknown codec\(s\) \['zstd'\].*measured \['bf16', 'int8'\]"):
-        solve(trace, "0.9x-store", codecs="int8,zstd")
-
-
-def test_buckets_default_and_explicit():
-    specs = default_buckets(3)
-    assert [s.name for s in specs] == ["b0", "b1", "b2"]
-    assert specs[0].lo == 0.0 and math.isinf(specs[-1].hi)
-    assert all(a.hi == b.lo for a, b in zip(specs, specs[1:]))  # contiguous
-    # Quantiles of GRPO's default mix: each bucket holds a fair share of the nonzero samples.
-    from hilore_compiler.solver.mix import bucket_shares, default_exposure_mix, zero_share
-    mix = default_exposure_mix()
-    assert zero_share(mix) == pytest.approx(2 / 9)  # groups of 8 all right or all wrong
-    shares = bucket_shares(specs, mix)
-    assert all(0.1 < s.samples < 0.5 for s in shares)
-    assert sum(s.samples for s in shares) == pytest.approx(7 / 9)
-    assert sum(s.mass for s in shares) == pytest.approx(1.0)
-    # A bucket's error share is its share of the squared exposures: the top
-    # bucket's few high-exposure samples weigh more than their mass share.
-    squares = [sum(x * x for x in mix if x > 0 and in_bucket(x, s.spec.lo, s.spec.hi)) for s in shares]
-    assert [s.error for s in shares] == pytest.approx([q / sum(squares) for q in squares])
-    assert shares[0].error < shares[0].mass and shares[-1].error > shares[-1].mass
-    # Off-policy: bounds pick the buckets, expected exposures weigh them. A
-    # bound that overstates the top bucket's samples must not lower b0's share.
-    bounds = [2 * x if x > 1 else x for x in mix]
-    split = bucket_specs(3, bounds)
-    weighted = bucket_shares(split, bounds, gradient_exposures=mix)
-    by_bound = bucket_shares(split, bounds)
-    assert [s.samples for s in weighted] == [s.samples for s in by_bound]
-    assert weighted[0].error > by_bound[0].error and weighted[-1].error < by_bound[-1].error
-    with pytest.raises(ValueError, match="gradient_exposures"):
-        bucket_shares(split, bounds, gradient_exposures=mix[:-1])
-    trace = random_trace(5, num_units=4)
-    plan = solve(trace, "0.9x-store", buckets=[("lo", 0, 1, 1), BucketSpec("hi", 1, math.inf, 8)])
-    assert plan.bucket_names == ("zero", "lo", "hi")
-    for bad in ([("zero", 0, 1, 1)], [("a", 0, 2, 1), ("b", 1, 3, 2)], [("a", 1, 0, 1)], 0, []):
-        with pytest.raises(ValueError):
-            solve(trace, "0.9x-store", buckets=bad)
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("123456", 123456), (123456, 123456), ("6GiB", 6 * 2**30), ("750MB", 750 * 10**6),
-    ("1.5 KiB", 1536), ("2kb", 2000), ("1e3", 1000), ("1.10x-gc", 1100), ("0.5x-store", 5000),
-    ("2X-GC", 2000),
-])
-def test_budget_forms(text, expected):
-    assert parse_budget(text).bytes_at(gc_bytes=1000, store_bytes=10000) == expected
-
-
-@pytest.mark.parametrize("text", ["-1GB", "-0.5x-gc", "0", "0x-gc", "abc", "5 parsecs", "1.1x-foo",
-                                  "", "x-gc", None, True, "0.5"])
-def test_bad_budgets_name_the_accepted_forms(text):
-    with pytest.raises(ValueError, match="accepted: .*'6GiB'.*'1.10x-gc'.*'0.5x-store'"):
-        parse_budget(text)
-
-
-def test_negative_risk_budget_and_bad_shape():
-    trace = random_trace(1, num_units=4)
-    with pytest.raises(ValueError, match="risk budget"):
-        solve(trace, "0.9x-store", risk_budget=-1)
-    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
-        solve(trace, "0.9x-store", seq_len=0)
-
-
-def test_missing_cbc_says_how_to_get_it(monkeypatch):
-    for name in ("PULP_CBC_CMD", "COIN_CMD"):
-        monkeypatch.setattr(getattr(pulp, name), "available", lambda self: False)
-    with pytest.raises(SolverUnavailableError, match="pip install pulp.*coinor-cbc.*PULP_CBC_CMD"):
-        solve(random_trace(1, num_units=4), "0.9x-store")
-
-
-def test_known_plans_are_the_answer_when_cbc_finds_none_in_time(monkeypatch):
-    from hilore_compiler.solver import solving
-    from hilore_compiler.solver.cbc import NoPlanInTime
-
-    trace = random_trace(3, num_units=6)
-    model = _model(trace)
-    weights = [BucketWeight(name="b", samples=1.0, error=1.0)]
-    start = {"b": {u.key: STORE for u in model.units}}
-
-    def no_plan(*args, **kwargs):
-        raise NoPlanInTime("CBC found no plan within 0 s")
-
-    monkeypatch.setattr(solving, "run_cbc", no_plan)
-    result = solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
-                                    risk_budget=RISK, options=QUICK, start=start)
-    assert result.decisions == start and result.status == "feasible" and result.bound is None
-    assert result.objective == 0.0  # store-all recovers nothing
-    with pytest.raises(NoPlanInTime):  # nothing known: the error stands
-        solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
-                               risk_budget=RISK, options=QUICK)
-
-
-def test_buckets_stopped_early_never_lose_to_the_exposure_blind_plan(monkeypatch):
-    """CBC may stop on the joint problem with plans slower over the mix than
-    one plan in every bucket, which satisfies the same constraints."""
-    from hilore_compiler.solver import solving
-    from hilore_compiler.solver.solving import IlpResult
-
-    trace = random_trace(3, num_units=6)
-    model = _model(trace)
-    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
-    recompute_all = {w.name: {u.key: RECOMPUTE for u in model.units} for w in weights}
-    real_run = solving._run
-
-    def stopped_early(problem, options, scale, start=None):
-        if len(problem.weights) == 1:
-            return real_run(problem, options, scale, start)
-        return IlpResult(decisions=recompute_all, status="feasible", seconds=1.0,
-                         objective=expected_time_s(model, weights, recompute_all), bound=0.0)
-
-    monkeypatch.setattr(solving, "_solve_apart", lambda *a, **k: None)  # the joint problem, as where risk binds
-    monkeypatch.setattr(solving, "_run", stopped_early)
-    result = solving.solve_min_time(model, budget_bytes=model.store_bytes, weights=weights,
-                                    risk_budget=RISK, options=QUICK)
-    assert result.decisions["b0"] == result.decisions["b1"] != recompute_all["b0"]
-    assert result.objective < expected_time_s(model, weights, recompute_all)
-    assert result.objective == pytest.approx(expected_time_s(model, weights, result.decisions))
-    assert result.blind == result.decisions  # kept, so buckets_that_pay need not solve it again
-
-
-def test_buckets_that_pay_reuse_the_blind_plan_already_solved(monkeypatch):
-    from hilore_compiler.solver import planner
-
-    trace = random_trace(3, num_units=6)
-    model = _model(trace)
-    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
-    store = {u.key: "store" for u in model.units}
-    recompute = {u.key: RECOMPUTE if u.recomputable else "store" for u in model.units}
-    plans = {"b0": store, "b1": recompute}  # distinct, and slower over the mix than store-all everywhere
-    blind = {"b0": store, "b1": store}
-    monkeypatch.setattr(planner, "blind_min_time", lambda *a, **k: pytest.fail("the blind plan was solved again"))
-    kept, note = planner.buckets_that_pay(model, weights, plans, budget_bytes=model.store_bytes, risk_budget=RISK,
-                                          options=QUICK, blind=blind)
-    assert kept == blind and "one plan in every exposure bucket" in note
-
-
-def test_least_memory_stopped_early_never_needs_more_than_the_exposure_blind_plan(monkeypatch):
-    """The same for the smallest feasible budget: stopped early with store-all
-    in every bucket, the least-memory plans are the blind plan's, so a ceiling
-    the blind plan meets is never refused to the bucketed one."""
-    from hilore_compiler.solver import solving
-    from hilore_compiler.solver.solving import IlpResult
-
-    trace = random_trace(3, num_units=6)
-    model = _model(trace)
-    weights = [BucketWeight(name="b0", samples=0.6, error=0.2), BucketWeight(name="b1", samples=0.4, error=0.8)]
-    store_all = {w.name: {u.key: STORE for u in model.units} for w in weights}
-    store_bytes = simulate(model, store_all["b0"]).memory_bytes
-    real_run = solving._run
-
-    def stopped_early(problem, options, scale, start=None):
-        if len(problem.weights) == 1:
-            return real_run(problem, options, scale, start)
-        return IlpResult(decisions=store_all, status="feasible", seconds=1.0, objective=store_bytes, bound=0.0)
-
-    monkeypatch.setattr(solving, "_solve_apart", lambda *a, **k: None)
-    monkeypatch.setattr(solving, "_run", stopped_early)
-    result = solving.solve_min_memory(model, weights=weights, risk_budget=RISK, options=QUICK)
-    assert result.decisions["b0"] == result.decisions["b1"] != store_all["b0"]
-    assert result.objective < store_bytes and result.status == "feasible"
-    assert result.objective == simulate(model, result.decisions["b0"]).memory_bytes
-
-
-def test_a_plan_file_is_not_a_trace(tmp_path):
-    trace = random_trace(1, num_units=4)
-    path = solve(trace, "0.9x-store").save(tmp_path / "plan.json")
-    with pytest.raises(ValueError, match="it is a plan, not a trace"):
-        solve(path, "0.9x-store")
-    with pytest.raises(TypeError):
-        solve({"schema": "hilore.trace/v1"}, "0.9x-store")
 
 
 def test_resimulation_rejects_what_the_solver_should_not_return():

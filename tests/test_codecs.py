@@ -1,4 +1,4 @@
-"""Codecs: documented error bounds, fallbacks, sizes, registry and fx builders."""
+"""Codecs: documented error bounds, fallbacks, sizes and registry (their fx builders: test_codec_graphs.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ import pytest
 import sympy
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from hilore_compiler.codecs import (
     BF16,
-    CODEC_META_KEY,
     FP8,
     INT4,
     INT8,
@@ -24,23 +22,7 @@ from hilore_compiler.codecs import (
     register_codec,
 )
 
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-CODECS = [get_codec(name) for name in codec_names("cpu")]
-ROWWISE = [c for c in CODECS if c.name in ("int8", "fp8", "int4")]
-SHAPES = [(16, 64), (3, 5, 128), (1, 1), (7, 1000)]
-
-
-def _cases():
-    return [
-        pytest.param(c, dt, id=f"{c.name}-{str(dt).removeprefix('torch.')}")
-        for c in CODECS
-        for dt in FLOATS
-        if c.supports(dt)
-    ]
-
-
-def _roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
-    return codec.decode(codec.encode(x), x.dtype)
+from codec_cases import CODECS, FLOATS, ROWWISE, SHAPES, assert_bitwise, cases, roundtrip
 
 
 def _check_bound(codec: Codec, x: torch.Tensor, x_hat: torch.Tensor) -> float:
@@ -56,40 +38,22 @@ def _check_bound(codec: Codec, x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float((err / bound).max()) if x.numel() else 0.0
 
 
-def _x_with_bad_rows(dtype: torch.dtype) -> torch.Tensor:
-    """(5, 16) normal data; row 1 holds inf, row 3 nan and -inf."""
-    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(9)).to(dtype)
-    x[1, 3], x[3, 0], x[3, 9] = math.inf, math.nan, -math.inf
-    return x
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Same bytes as an integer tensor, so NaNs and -0.0 compare exactly."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.view(ints[t.element_size()])
-
-
-def _assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(_bits(a), _bits(b))
-
-
 # ---- error bounds ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_random_normal_within_bound_and_dtype_restored(codec, dtype, shape):
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
-    x_hat = _roundtrip(codec, x)
+    x_hat = roundtrip(codec, x)
     assert x_hat.dtype == dtype and x_hat.shape == x.shape
     _check_bound(codec, x, x_hat)
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 def test_bound_is_tight_not_vacuous(codec, dtype):
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
-    worst = _check_bound(codec, x, _roundtrip(codec, x))
+    worst = _check_bound(codec, x, roundtrip(codec, x))
     # Many random values land near a rounding midpoint, so a bound that is
     # right (not 10x loose) is nearly reached.
     assert worst > 0.5
@@ -97,7 +61,7 @@ def test_bound_is_tight_not_vacuous(codec, dtype):
 
 def test_int8_error_at_most_absmax_over_254():
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(2)) * 5
-    err = (_roundtrip(INT8, x) - x).abs()
+    err = (roundtrip(INT8, x) - x).abs()
     step_half = x.abs().amax(-1, keepdim=True) / 254
     assert bool((err <= step_half * (1 + 1e-5)).all())
     assert float((err / step_half).max()) > 0.99  # the half step is reached
@@ -105,12 +69,12 @@ def test_int8_error_at_most_absmax_over_254():
 
 def test_int4_error_at_most_absmax_over_14_and_about_18x_int8s():
     x = torch.randn(32, 511, generator=torch.Generator().manual_seed(2)) * 5  # odd rows: a tail nibble
-    err = (_roundtrip(INT4, x) - x).abs()
+    err = (roundtrip(INT4, x) - x).abs()
     step_half = x.abs().amax(-1, keepdim=True) / 14
     assert bool((err <= step_half * (1 + 1e-5)).all())
     assert float((err / step_half).max()) > 0.99
     rel = float(err.norm() / x.norm())
-    rel8 = float((_roundtrip(INT8, x) - x).norm() / x.norm())
+    rel8 = float((roundtrip(INT8, x) - x).norm() / x.norm())
     assert 12 < rel / rel8 < 24  # 127/7 = 18 times int8's step
     # Two values per byte, the odd row's last one in a byte of its own.
     assert INT4.encoded_nbytes(x.shape, x.dtype) == 32 * (255 + 1) + 32 * 4 == sum(
@@ -137,7 +101,7 @@ def test_bf16_relative_error_at_most_2_pow_minus_8():
 @pytest.mark.skipif(not FP8.available("cpu"), reason="no float8_e4m3fn on this platform")
 def test_fp8_relative_error_at_most_2_pow_minus_4_above_underflow():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
-    x_hat = _roundtrip(FP8, x)
+    x_hat = roundtrip(FP8, x)
     normal = x.abs() >= 2**-6 * x.abs().amax(-1, keepdim=True) / 448
     rel = ((x_hat - x).abs() / x.abs())[normal].max()
     assert 2**-5 < float(rel) <= 2**-4 * (1 + 1e-6)
@@ -146,24 +110,24 @@ def test_fp8_relative_error_at_most_2_pow_minus_4_above_underflow():
 # ---- adversarial input -------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 def test_zeros_decode_to_exact_zeros(codec, dtype):
     x = torch.zeros(4, 16, dtype=dtype)
     parts = codec.encode(x)
     assert all(bool(torch.isfinite(p.float()).all()) for p in parts)
-    _assert_bitwise(codec.decode(parts, dtype), x)
+    assert_bitwise(codec.decode(parts, dtype), x)
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 def test_one_huge_value_only_costs_its_row(codec, dtype):
     huge = 6e4 if dtype == torch.float16 else 1e30  # 1e30 is inf in fp16
     clean = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     x = clean.clone()
     x[2, 5] = huge
-    x_hat = _roundtrip(codec, x)
+    x_hat = roundtrip(codec, x)
     _check_bound(codec, x, x_hat)
     others = [0, 1, 3]
-    _assert_bitwise(x_hat[others], _roundtrip(codec, clean)[others])
+    assert_bitwise(x_hat[others], roundtrip(codec, clean)[others])
     if codec in ROWWISE and huge == 1e30:
         # Ordinary values sit far below half a step of a 1e30-scaled row.
         assert bool((x_hat[2, :5] == 0).all()) and bool((x_hat[2, 6:] == 0).all())
@@ -173,29 +137,29 @@ def test_one_huge_value_only_costs_its_row(codec, dtype):
 def test_subnormals_int8_int4_decode_to_zero(codec):
     x = torch.full((3, 8), 1e-40) * torch.tensor([1.0, -1.0]).repeat(4)
     assert bool((x.abs() < torch.finfo(torch.float32).tiny).all())  # really subnormal
-    x_hat = _roundtrip(codec, x)
-    _assert_bitwise(x_hat, torch.zeros_like(x))  # integers have no -0: all +0.0
+    x_hat = roundtrip(codec, x)
+    assert_bitwise(x_hat, torch.zeros_like(x))  # integers have no -0: all +0.0
     _check_bound(codec, x, x_hat)
 
 
 @pytest.mark.parametrize("codec", [c for c in CODECS if c not in (INT8, INT4)], ids=lambda c: c.name)
 def test_subnormals_bf16_fp8_keep_a_subnormal(codec):
     x = torch.full((3, 8), 1e-40)
-    x_hat = _roundtrip(codec, x)
+    x_hat = roundtrip(codec, x)
     _check_bound(codec, x, x_hat)
     # Both land on the same step, documented as 1e-40 -> 2**-133.
     assert bool((x_hat == 2.0**-133).all())
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 def test_subnormals_of_each_dtype_within_bound(codec, dtype):
     tiny = torch.finfo(dtype).tiny
     x = (torch.rand(4, 32, generator=torch.Generator().manual_seed(6)) - 0.5) * tiny
     x = x.to(dtype)
-    _check_bound(codec, x, _roundtrip(codec, x))
+    _check_bound(codec, x, roundtrip(codec, x))
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 @pytest.mark.parametrize("shape", [(0, 8), (4, 0), ()], ids=str)
 def test_empty_and_scalar_tensors(codec, dtype, shape):
     x = torch.full(shape, 1.5, dtype=dtype) if shape == () else torch.empty(shape, dtype=dtype)
@@ -209,7 +173,7 @@ def test_empty_and_scalar_tensors(codec, dtype, shape):
 # ---- non-finite input --------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=str)
 def test_eager_encode_refuses_non_finite(codec, dtype, bad):
     x = torch.randn(3, 8).to(dtype)
@@ -231,14 +195,14 @@ def test_bf16_overflow_of_finite_fp32_is_refused():
 # ---- sizes -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 @pytest.mark.parametrize("shape", SHAPES + [(2, 3, 4, 5)], ids=str)
 def test_encoded_nbytes_matches_parts(codec, dtype, shape):
     parts = codec.encode(torch.randn(shape).to(dtype))
     assert codec.encoded_nbytes(shape, dtype) == sum(p.nbytes for p in parts)
 
 
-@pytest.mark.parametrize("codec,dtype", _cases())
+@pytest.mark.parametrize("codec,dtype", cases())
 def test_encoded_nbytes_expr_is_symbolic(codec, dtype):
     B, S = sympy.symbols("B S", positive=True, integer=True)
     expr = codec.encoded_nbytes_expr((B, S, 64), dtype)
@@ -292,162 +256,3 @@ def test_supports_and_dtype_errors():
 def test_fp8_unavailable_on_missing_device():
     assert FP8.available("cuda") is False
     assert "fp8" not in codec_names("cuda")
-
-
-# ---- fx graph builders -------------------------------------------------------
-
-
-def _codec_graph(codec: Codec, val: torch.Tensor) -> torch.fx.GraphModule:
-    """placeholder -> encode -> decode -> output (*parts, decoded)."""
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = val
-    parts = codec.graph_encode(graph, x)
-    out = codec.graph_decode(graph, parts, val.dtype)
-    graph.output((*parts, out))
-    graph.lint()
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _inserted(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"]
-
-
-@pytest.mark.parametrize("codec,dtype", _cases())
-@pytest.mark.parametrize("shape", [(3, 5, 32), (4, 0), ()], ids=str)
-def test_graph_matches_eager_bit_for_bit(codec, dtype, shape):
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 4).to(dtype)
-    with FakeTensorMode() as mode:
-        pass
-    gm = _codec_graph(codec, mode.from_tensor(x))
-    *parts, x_hat = gm(x)
-    eager_parts = codec.encode(x)
-    for got, want in zip(parts, eager_parts, strict=True):
-        _assert_bitwise(got, want)
-    _assert_bitwise(x_hat, codec.decode(eager_parts, dtype))
-    # meta["val"] says what the nodes really produce.
-    out_nodes = gm.graph.output_node().args[0]
-    for node, real in zip(out_nodes, (*parts, x_hat), strict=True):
-        val = node.meta["val"]
-        assert isinstance(val, FakeTensor)
-        assert (val.shape, val.dtype) == (real.shape, real.dtype)
-        assert node.meta["tensor_meta"].dtype == real.dtype
-
-
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
-def test_graph_uses_only_decomposed_ops_and_tags_them(codec):
-    gm = _codec_graph(codec, torch.empty(4, 8, device="meta"))  # meta vals work too
-    nodes = _inserted(gm)
-    assert nodes, "the codec inserted nothing"
-    for node in nodes:
-        assert isinstance(node.target, torch._ops.OpOverload)
-        assert node.target.namespace in ("aten", "prims")
-        assert node.target is not torch.ops.aten._to_copy.default
-        assert node.meta[CODEC_META_KEY] in (f"{codec.name}.encode", f"{codec.name}.decode")
-        assert node.meta["val"].device.type == "meta"
-
-
-@pytest.mark.parametrize("codec,dtype", _cases())
-def test_graph_non_finite_rows_decode_to_nan(codec, dtype):
-    x = _x_with_bad_rows(dtype)
-    *parts, x_hat = _codec_graph(codec, FakeTensorMode().from_tensor(x))(x)
-    finite_rows = [0, 2, 4]
-    _assert_bitwise(x_hat[finite_rows], _roundtrip(codec, x[finite_rows]))
-    if codec in ROWWISE:
-        assert bool(x_hat[[1, 3]].isnan().all())  # the whole row, never garbage
-        *payload, scale = parts  # documented: the payload of 0s, scale NaN
-        zero = codec.encode(torch.zeros(1, x.shape[-1], dtype=dtype))[:-1]
-        assert all(torch.equal(p[[1, 3]], z.expand(2, -1)) for p, z in zip(payload, zero))
-        assert bool(scale[[1, 3]].isnan().all()) and bool(scale[finite_rows].isfinite().all())
-    else:  # bf16 keeps inf/nan elementwise and the rest of the row
-        _assert_bitwise(x_hat[[1, 3]], x[[1, 3]].to(torch.bfloat16).to(dtype))
-        assert x_hat[1, 3] == math.inf and x_hat[3, 9] == -math.inf
-        assert bool(x_hat[3, 0].isnan())
-
-
-@pytest.mark.parametrize("same_block", [False, True], ids=["after+before", "after"])
-def test_graph_builders_insert_at_the_callers_point(same_block):
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    with FakeTensorMode() as mode:
-        x.meta["val"] = mode.from_tensor(torch.empty(4, 8))
-        relu = graph.call_function(torch.ops.aten.relu.default, (x,))
-        relu.meta["val"] = torch.ops.aten.relu.default(x.meta["val"])
-    neg = graph.call_function(torch.ops.aten.neg.default, (relu,))
-    graph.output((neg,))
-    with graph.inserting_after(relu):
-        parts = INT8.graph_encode(graph, relu)
-        if same_block:  # the point moved past the encode nodes
-            decoded = INT8.graph_decode(graph, parts, torch.float32)
-    if not same_block:
-        with graph.inserting_before(neg):
-            decoded = INT8.graph_decode(graph, parts, torch.float32)
-    neg.replace_input_with(relu, decoded)
-    order = [n.name for n in graph.nodes]
-    assert order[:2] == ["x", "relu_default"] and order[-2:] == ["neg_default", "output"]
-    graph.lint()  # topological order holds
-    t = torch.randn(4, 8)
-    (got,) = torch.fx.GraphModule(torch.nn.Module(), graph)(t)
-    _assert_bitwise(got, -_roundtrip(INT8, t.relu()))
-
-
-def test_graph_encode_needs_meta_val_and_supported_dtype():
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    with pytest.raises(ValueError, match="meta\\['val'\\]"):
-        INT8.graph_encode(graph, x)
-    x.meta["val"] = torch.empty(2, 2, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(TypeError):
-        BF16.graph_encode(graph, x)
-
-
-def _split_graphs(codec: Codec, val: torch.Tensor) -> tuple[torch.fx.GraphModule, ...]:
-    """Encode and decode as separate graphs, as forward and backward are."""
-    fw = torch.fx.Graph()
-    x = fw.placeholder("x")
-    x.meta["val"] = val
-    fw.output(codec.graph_encode(fw, x))
-    bw = torch.fx.Graph()
-    saved = []
-    for i, part in enumerate(fw.output_node().args[0]):
-        saved.append(bw.placeholder(f"part{i}"))
-        saved[-1].meta["val"] = part.meta["val"]
-    bw.output((codec.graph_decode(bw, saved, val.dtype),))
-    return tuple(torch.fx.GraphModule(torch.nn.Module(), g) for g in (fw, bw))
-
-
-def _check_split(codec: Codec, fw, bw, x: torch.Tensor) -> None:
-    parts = fw(x)
-    (x_hat,) = bw(*parts)
-    finite_rows = [0, 2, 4]
-    for got, want in zip(parts, codec.encode(x[finite_rows]), strict=True):
-        _assert_bitwise(got[finite_rows], want)
-    _assert_bitwise(x_hat[finite_rows], _roundtrip(codec, x[finite_rows]))
-    nan_rows = x_hat[[1, 3]].isnan() if codec in ROWWISE else x_hat[[1, 3]].isfinite()
-    assert int(nan_rows.sum()) == (32 if codec in ROWWISE else 29)
-
-
-@pytest.mark.parametrize("codec,dtype", _cases())
-def test_graph_encode_and_decode_in_separate_graphs(codec, dtype):
-    x = _x_with_bad_rows(dtype)
-    fw, bw = _split_graphs(codec, FakeTensorMode().from_tensor(x))
-    _check_split(codec, fw, bw, x)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
-def test_inductor_compiles_codec_graphs_bit_for_bit(codec):
-    """Inductor lowers every inserted op and keeps the eager numbers.
-
-    Encode and decode are compiled apart, as in the forward/backward split:
-    fused into one kernel, Inductor would skip the fp32 -> bf16 -> fp32
-    round trip (see ``emulate_precision_casts``), which the saved tensor
-    between the two graphs prevents.
-    """
-    from torch._inductor.compile_fx import compile_fx
-
-    x = _x_with_bad_rows(torch.float32)
-    fw, bw = _split_graphs(codec, FakeTensorMode().from_tensor(x))
-    fw_c = compile_fx(fw, [x])
-    bw_c = compile_fx(bw, list(fw(x)))
-    _check_split(codec, lambda t: tuple(fw_c(t)), bw_c, x)

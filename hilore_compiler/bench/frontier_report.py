@@ -53,6 +53,8 @@ class CeilingRow:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrontierReport:
+    """A frontier run's statistics, its cells and one row per ceiling, ready to print or save."""
+
     run: FrontierRun
     #: Statistics of every run, by run name.
     stats: dict[str, MethodStats]

@@ -70,6 +70,8 @@ class LengthsBenchConfig:
 
 
 class LengthsWorkerProcess(WorkerProcess):
+    """A ``--lengths`` worker in a process of its own (``lengths_worker``)."""
+
     MODULE = "hilore_compiler.bench.lengths_worker"
 
 

@@ -46,6 +46,8 @@ LENGTH_BUCKETS = 3
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LengthsWorkerConfig:
+    """What one ``--lengths`` worker runs: a method over every length, on one model and batch."""
+
     method: str
     model: str
     batch: int
@@ -60,6 +62,8 @@ class LengthsWorkerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LengthSample(StepSample):
+    """One timed step at one of the bench's lengths."""
+
     #: Tokens per sequence of the step.
     length: int = 0
 

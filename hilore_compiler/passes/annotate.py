@@ -137,6 +137,11 @@ def _source_fn(node: fx.Node) -> str:
 
 
 def layer_of(fqn: str) -> int | None:
+    """The layer index a module path names (``model.layers.3.mlp`` -> 3), or None outside the layer stack.
+
+    The first all-digit path component: module lists are how every model we
+    met numbers its repeated blocks, whatever the list is called.
+    """
     match = _LAYER_RE.search(fqn)
     return int(match.group(1)) if match else None
 
@@ -167,6 +172,7 @@ def is_random(node: fx.Node) -> bool:
 
 
 def has_side_effect(node: fx.Node) -> bool:
+    """True for a mutating op or an effect token: recomputing it would run its effect twice."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.is_mutable

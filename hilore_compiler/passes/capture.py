@@ -152,6 +152,8 @@ def lifted_args(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
 
 
 def needs_backward(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """True when some input AOTAutograd passes (parameters included) requires grad:
+    only then is there a backward, and so activations to plan."""
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in lifted_args(gm, example_inputs))
 
 

@@ -64,6 +64,7 @@ def nbytes_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> sym
 
 
 def shape_expr(node: fx.Node, symbols: dict[sympy.Symbol, sympy.Symbol]) -> tuple[sympy.Expr, ...]:
+    """``node``'s shape with the graph's size symbols renamed by ``symbols`` (to ``B`` and ``S``)."""
     return tuple(sympy.expand(_expr(d).subs(symbols)) for d in node.meta["val"].shape)
 
 

@@ -300,6 +300,7 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
 
 
 def check_gc_peak(gc_peak_bytes: int | None) -> None:
+    """Refuse a ``gc_peak_bytes`` that is not a positive int: ``x-gc`` budgets are multiples of it."""
     if gc_peak_bytes is not None and not (isinstance(gc_peak_bytes, int) and gc_peak_bytes > 0):
         raise ValueError(f"gc_peak_bytes must be a positive byte count (GC's measured peak), got {gc_peak_bytes!r}")
 

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from .jsonio import FormatError, read_json, require
+from .jsonio import FormatError, as_object, read_json, require
 from .planfile import (PEAK_PARTS, PLAN_SCHEMA, BucketPlan, BucketSpec, LengthPoint, OptionCost, Plan, PlanUnit,
                        SolverStats)
 from .validate import plan_problems, raise_problems
@@ -24,14 +24,8 @@ from .vocabulary import SKIP, is_option
 _NUM = (int, float)
 
 
-def _as_object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise FormatError(f"{where}: expected an object, found {type(value).__name__}")
-    return value
-
-
 def _length_from_json(obj: Any, where: str) -> LengthPoint:
-    obj = _as_object(obj, where)
+    obj = as_object(obj, where)
     memory = require(obj, "memory_bytes", dict, where)
     times = require(obj, "time_s", dict, where)
     for name, value in [*memory.items(), *times.items()]:
@@ -55,7 +49,7 @@ def _seq_range_from_json(shape: dict[str, Any], where: str) -> tuple[int, int] |
 
 
 def _unit_from_json(obj: Any, where: str) -> PlanUnit:
-    obj = _as_object(obj, where)
+    obj = as_object(obj, where)
     key = require(obj, "key", str, where)
     where = f"{where}[{key}]"
     layer = obj.get("layer")
@@ -66,7 +60,7 @@ def _unit_from_json(obj: Any, where: str) -> PlanUnit:
         if not is_option(name):
             raise FormatError(f"{where}.options: {name!r} is not store, recompute or compress:<codec>")
         at = f"{where}.options.{name}"
-        cost = _as_object(cost, at)
+        cost = as_object(cost, at)
         options.append(OptionCost(option=name, bytes=require(cost, "bytes", int, at),
                                   time_s=float(require(cost, "time_s", _NUM, at))))
     return PlanUnit(key=key, layer=layer, kind=require(obj, "kind", str, where),
@@ -76,7 +70,7 @@ def _unit_from_json(obj: Any, where: str) -> PlanUnit:
 def _solver_from_json(obj: Any, where: str) -> SolverStats | None:
     if obj is None:
         return None
-    obj = _as_object(obj, f"{where}.solver")
+    obj = as_object(obj, f"{where}.solver")
     gap = obj.get("gap")
     if gap is not None and not isinstance(gap, _NUM):
         raise FormatError(f"{where}.solver.gap: expected a number or null")
@@ -106,7 +100,7 @@ def _decisions_from_json(obj: dict, units: dict[str, PlanUnit], skip: bool, wher
 
 
 def _bucket_from_json(obj: Any, units: dict[str, PlanUnit], where: str) -> BucketPlan:
-    obj = _as_object(obj, where)
+    obj = as_object(obj, where)
     name = require(obj, "name", str, where)
     where = f"{where}[{name}]"
     kind = require(obj, "plan", str, where)
@@ -151,7 +145,7 @@ def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:
     """The optional ``mix`` record (older plans have none)."""
     if obj is None:
         return {}
-    obj = _as_object(obj, f"{where}.mix")
+    obj = as_object(obj, f"{where}.mix")
     out = {}
     for name in ("sample_share", "mass_share", "error_share"):
         value = obj.get(name)
@@ -167,7 +161,7 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
     Past the JSON types, ``validate.plan_problems`` checks what the backend
     relies on: finite non-negative numbers, at least one bucket with decisions.
     """
-    payload = _as_object(payload, where)
+    payload = as_object(payload, where)
     if payload.get("schema") != PLAN_SCHEMA:
         raise FormatError(f"{where}: schema is {payload.get('schema')!r}, expected {PLAN_SCHEMA!r}")
     units = [_unit_from_json(u, f"{where}.units[{i}]")

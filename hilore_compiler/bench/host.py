@@ -46,12 +46,13 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def bf16_emulation_warning(device: str, dtype: str) -> str | None:
-    """Why a bf16 bench on this CPU would time torch's bf16 fallback rather than the plans, or None.
+    """Why a bf16 bench on this CPU answers other costs than bf16 training's, or None.
 
     On an x86 CPU without AVX-512 every bf16 matmul takes tens of times its
     fp32 time, so a recompute costs far more than on the machines bf16 is
-    trained on, the planners' trade-offs shift with it, and a step of the
-    ``small`` policy takes about half a minute.
+    trained on, and a step of the ``small`` policy takes about half a minute.
+    The planners profile this CPU, so their pairings stay fair here, but the
+    plans and ratios are this CPU's, not those of a bf16 machine.
     """
     if device != "cpu" or dtype != "bfloat16":
         return None
@@ -61,6 +62,6 @@ def bf16_emulation_warning(device: str, dtype: str) -> str | None:
     if capability not in _NO_BF16_GEMM:
         return None
     return (f"this CPU ({cpu_model() or 'unknown'}, {capability}) has no bf16 matmul kernel in torch: "
-            "every bf16 matmul runs tens of times slower than in fp32, so these timings measure that "
-            "fallback more than the plans; run bf16 on a CPU with AVX-512 or with --device cuda, "
-            "or use --dtype float32 here")
+            "every bf16 matmul runs tens of times slower than in fp32, so a recompute costs far more "
+            "than where bf16 is trained and the plans and ratios answer this CPU's costs; for bf16 as "
+            "it is trained run on a CPU with AVX-512 or with --device cuda, or use --dtype float32 here")

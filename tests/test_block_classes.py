@@ -62,14 +62,19 @@ def traced_and_profiled():
     return traced, calls
 
 
+@pytest.mark.slow
 def test_alternating_layers_form_two_classes_profiled_once_each(traced_and_profiled):
     traced, calls = traced_and_profiled
     classes = sorted(traced.block_classes.values())
-    # The first two layers (next to the embedding) and the last (next to the
-    # head) are like no other; between them sliding and full attention alternate.
-    assert classes == [(0,), (1,), (2, 4, 6), (3, 5), (7,)]
+    # The first layer (next to the embedding, where transformers builds the
+    # masks) and the last (next to the head) are like no other; between them
+    # sliding and full attention alternate. Whether layer 1 is like 3 and 5
+    # depends on transformers: 5.10 still builds something there, 5.25 not.
+    assert (0,) in classes and (7,) in classes and (2, 4, 6) in classes
+    assert any({3, 5} <= set(c) for c in classes)
+    assert all(len({i % 2 for i in c}) == 1 for c in classes), classes  # one attention kind a class
     profiled_layers = {u.layer for u in traced.units if u.key in calls}
-    assert profiled_layers == {None, 0, 1, 2, 3, 7}
+    assert profiled_layers == {None, *(c[0] for c in classes)}
     assert len(calls) < 0.8 * len(traced.units)
     by_key = {u.key: u for u in traced.units}
     for u in traced.units:

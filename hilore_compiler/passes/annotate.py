@@ -62,6 +62,14 @@ class UnitNodes:
         return tuple(n for n in self.saved if encodable(n))
 
     @property
+    def encoded_roots(self) -> tuple[fx.Node, ...]:
+        """The memories a codec encodes: the storage root of each ``encoded`` node, once.
+        ``passes.apply`` compresses the memory, not the view min-cut saved, so sizes
+        of the compressed unit are the roots' (a saved ``(B*S, H*D)`` view of an
+        attention output ``(B, H, S, D)`` takes one scale per ``D`` row, not per ``H*D``)."""
+        return tuple(dict.fromkeys(storage_root(n) for n in self.encoded))
+
+    @property
     def kept_as_is(self) -> tuple[fx.Node, ...]:
         """Saved nodes that stay as they are even when the unit is compressed:
         CUDA's fused attention saves an integer philox seed and offset beside
@@ -92,12 +100,25 @@ def normalize_fqn(path: str) -> str:
 
 
 def module_fqn(node: fx.Node) -> str:
-    """The innermost module path that produced ``node`` ("" at top level)."""
+    """The innermost module path that produced ``node`` ("" at top level).
+
+    Only modules nested in the model count: the stack's entries are followed
+    while each lies under the one before. A module object called from outside
+    the model's tree (transformers 5.11+ wraps ``apply_rotary_pos_emb`` in a
+    module-level kernel-hub module, ``G['...modeling_llama'].apply_rotary_pos_emb``)
+    is where the code lives, not where in the model it ran; keying by it
+    would change every unit key when a library moves a helper, and lose the
+    layer the call ran in.
+    """
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    path, _cls = list(stack.values())[-1]
-    return normalize_fqn(path)
+    fqn: str | None = None
+    for path, _cls in stack.values():
+        path = normalize_fqn(path)
+        if fqn is None or not fqn or path == fqn or path.startswith(fqn + "."):
+            fqn = path
+    return fqn or ""
 
 
 def op_name(node: fx.Node) -> str:

@@ -28,6 +28,11 @@ if not REAL_CUDA:
     fakecuda.load_guard()  # before torch: ATen caches its CUDA hooks on first use
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+# Each model's forward compiles once per plan here, more often than dynamo's
+# per-frame recompile limit (8) allows before it runs the frame eagerly.
+torch._dynamo.config.recompile_limit = 64
 
 from hilore_compiler.backend import HiLoReBackend  # noqa: E402
 from hilore_compiler.models import build_model, token_logprobs  # noqa: E402
@@ -53,6 +58,8 @@ def hf_llama(dropout: float) -> torch.nn.Module:
 
 MODELS = {
     "tiny": lambda: build_model("tiny", dtype=torch.bfloat16, vocab_size=VOCAB).train(),
+    # fp32 activations: the one model whose units the bf16 codec encodes.
+    "tiny-fp32": lambda: build_model("tiny", vocab_size=VOCAB).train(),
     "hf-llama": lambda: hf_llama(0.0),
     "hf-llama-dropout": lambda: hf_llama(0.1),
 }
@@ -111,15 +118,40 @@ def plans_for(name: str) -> dict:
             for source, t in (("cpu", cpu), ("meta", meta), ("fake-cuda", fake))}
 
 
+#: Codecs each model's every unit is compressed with, where it applies (``uniform_plans``).
+UNIFORM_CODECS = {"tiny": ("int8", "fp8"), "tiny-fp32": ("bf16", "int8", "fp8"), "hf-llama": ("int8", "fp8")}
+
+
+def uniform_plans(name: str) -> dict:
+    """Plans from a meta trace that compress every unit a codec can encode (attention
+    included), one per codec: the tightest test of predicted compressed bytes."""
+    from hilore_compiler.solver import fixed_plan, uniform_codec
+
+    codecs = UNIFORM_CODECS.get(name, ())
+    if not codecs:
+        return {}
+    with torch.device("meta"):
+        meta_model = MODELS[name]()
+    config = TraceConfig(cost_model="roofline:h100", codecs=codecs, repeats=1, warmup=0, verbose=False,
+                         dynamic=False)
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    meta = trace(meta_model, [ids], lambda out: loss_of(out, ids), config=config)
+    return {f"uniform {c} from meta": fixed_plan(meta, uniform_codec(c), buckets=1, codecs=[c], batch=BATCH,
+                                                 seq_len=SEQ) for c in codecs}
+
+
 def run_model(name: str) -> dict:
     results: dict = {}
     try:
-        plans = plans_for(name)
+        plans = {} if name == "tiny-fp32" else plans_for(name)
+        uniform = uniform_plans(name)
     except Exception:
         return {"error": traceback.format_exc()}
     runs = {f"plan from {s}": {"plan": p} for s, p in plans.items()}
-    runs["zero-config roofline:h100"] = {"cost_model": "roofline:h100", "memory_budget": BUDGET,
-                                         "codecs": list(CODECS), "buckets": 1}
+    runs.update({label: {"plan": p} for label, p in uniform.items()})
+    if plans:
+        runs["zero-config roofline:h100"] = {"cost_model": "roofline:h100", "memory_budget": BUDGET,
+                                             "codecs": list(CODECS), "buckets": 1}
     for label, options in runs.items():
         start = time.perf_counter()
         try:

@@ -57,6 +57,7 @@ def _run(compiled: dict, model: str, source: str) -> dict:
     return run[source]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "hf-llama", "hf-llama-dropout"])
 @pytest.mark.parametrize("source", SOURCES[1:])
 def test_gpu_plans_apply_strictly_and_save_what_they_predict(compiled, model, source):
@@ -68,6 +69,7 @@ def test_gpu_plans_apply_strictly_and_save_what_they_predict(compiled, model, so
     assert run["backward_flops"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "hf-llama"])
 def test_a_cpu_traces_plan_applies_strictly_to_the_cuda_graph(compiled, model):
     """The CPU's flash attention and CUDA's flash or memory-efficient kernels
@@ -78,6 +80,7 @@ def test_a_cpu_traces_plan_applies_strictly_to_the_cuda_graph(compiled, model):
     assert run["saved_bytes"] < run["default_saved_bytes"]
 
 
+@pytest.mark.slow
 def test_a_cpu_trace_with_attention_dropout_differs_only_inside_attention(compiled):
     """The CPU has no fused attention with dropout: its trace holds the math
     path's units (probabilities, the dropout mask), a GPU's graph flash
@@ -89,6 +92,20 @@ def test_a_cpu_trace_with_attention_dropout_differs_only_inside_attention(compil
     message = run["error"].split("PlanMismatchError:")[-1]
     named = [part.split("'")[0] for part in message.split("['")[1:]]
     assert named and all(".self_attn:" in key for key in named), message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "codec"), [("tiny", "int8"), ("tiny", "fp8"), ("tiny-fp32", "bf16"),
+                                             ("tiny-fp32", "int8"), ("tiny-fp32", "fp8"), ("hf-llama", "int8"),
+                                             ("hf-llama", "fp8")])
+def test_every_unit_compressed_keeps_exactly_what_the_plan_predicts(compiled, model, codec):
+    """Each codec on every unit it encodes, attention's output and log-sum-exp
+    included (its RNG seed and offset kept as they are): the CUDA graph keeps
+    the plan's bytes to the byte."""
+    run = _run(compiled, model, f"uniform {codec} from meta")
+    assert run["matched"] == run["units"] and run["counts"]["compress"] >= 10, run["counts"]
+    assert run["saved_bytes"] == run["predicted_bytes"]
+    assert run["saved_bytes"] < run["default_saved_bytes"]
 
 
 def test_lowering_leaves_real_cpu_tensors_to_their_device():

@@ -97,8 +97,8 @@ def apply_decisions(joint: fx.GraphModule, units: list[UnitNodes], decisions: Ma
         option = decisions.get(unit.key, "")
         if option.startswith(COMPRESS):
             codec = codec_registry.get_codec(option[len(COMPRESS):])
-            for node in unit.encoded:
-                roots.setdefault(storage_root(node), codec)
+            for root in unit.encoded_roots:
+                roots.setdefault(root, codec)
             for node in unit.kept_as_is:  # e.g. attention's philox seed and offset on CUDA
                 storage_root(node).meta["recompute"] = CheckpointPolicy.MUST_SAVE
             counts["compress"] += 1

@@ -136,11 +136,12 @@ def _codec_cost(name: str, unit: UnitNodes, values: dict[str, Any], symbols, con
         raw = total_nbytes(unit.saved, symbols)
         return CodecCost(bytes=format_size(raw), time_s=0.0, rel_l2=0.0, max_abs=0.0,
                          source=config.cost_model, usable=False, reason=reason)
-    # What the unit keeps when compressed: the payloads, and the members no
+    # What the unit keeps when compressed: the payloads of the memories
+    # ``passes.apply`` encodes (``UnitNodes.encoded_roots``), and the members no
     # codec takes (``UnitNodes.kept_as_is``) as they are. Time and error are the
     # encoded members'.
     payload = sum(
-        (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.encoded),
+        (codec.encoded_nbytes_expr(shape_expr(n, symbols), n.meta["val"].dtype) for n in unit.encoded_roots),
         total_nbytes(unit.kept_as_is, symbols),
     )
 

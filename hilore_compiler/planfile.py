@@ -21,12 +21,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .jsonio import write_json_atomic
 # The option words, the zero bucket's name and the interval rule live in
 # ``vocabulary``; re-exported here because plan readers import them from here.
 from .vocabulary import COMPRESS_PREFIX, RECOMPUTE, SKIP, STORE, ZERO_BUCKET, in_bucket, is_option  # noqa: F401
+
+if TYPE_CHECKING:  # the trace reader validates plans too: no import at run time
+    from .tracefile import Trace
 
 PLAN_SCHEMA = "hilore.plan/v1"
 
@@ -167,6 +170,10 @@ class Plan:
     seq_range: tuple[int, int] | None = None
     #: Predictions at lengths across ``seq_range`` (empty for a one-shape plan).
     lengths: tuple[LengthPoint, ...] = ()
+    #: The trace the plan was solved from, when it was solved in this process
+    #: (``solve``); never written to the file. The backend re-solves from it
+    #: for a batch or length the plan does not cover.
+    trace: Trace | None = field(default=None, repr=False, compare=False)
 
     @property
     def length_range(self) -> tuple[int, int]:

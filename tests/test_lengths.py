@@ -67,6 +67,7 @@ def test_one_length_is_the_static_plan(trace):
     assert ranged.bucket("b0").decisions == static.bucket("b0").decisions
 
 
+@pytest.mark.slow
 def test_length_buckets_cover_the_range_and_pay_their_price(trace):
     plans = solve_length_buckets(trace, (64, 1024), "0.9x-gc", max_buckets=3, buckets=1)
     ranges = [p.length_range for p in plans]
@@ -87,15 +88,44 @@ def test_length_buckets_cover_the_range_and_pay_their_price(trace):
 def test_the_backend_takes_length_bucket_plans_as_a_list(trace):
     """``options={"plan": [...]}``: the length buckets' plan files, in any order; a range they do not
     cover, without a trace to re-solve from, is refused with both ranges named."""
+    import dataclasses
+
+    from hilore_compiler.backend.lengths import PlanShapeError
     from hilore_compiler.backend.options import BackendOptions
     from hilore_compiler.backend.planning import given_plans
-    from hilore_compiler.passes.apply import PlanMismatchError
 
-    short = solve_range(trace, (64, 255), "1.0x-gc", buckets=1)
-    long = solve_range(trace, (256, 1024), "1.0x-gc", buckets=1)
+    # As read from files: no trace comes with them.
+    short = dataclasses.replace(solve_range(trace, (64, 255), "1.0x-gc", buckets=1), trace=None)
+    long = dataclasses.replace(solve_range(trace, (256, 1024), "1.0x-gc", buckets=1), trace=None)
     options = BackendOptions.from_mapping({"plan": [long, short]})
     assert given_plans(options, 2, (100, 900)) == (short, long)
-    with pytest.raises(PlanMismatchError, match=r"64-255, 256-1024 .* sequences 100 to 2000"):
+    with pytest.raises(PlanShapeError, match=r"64-255, 256-1024 .* sequences 100 to 2000"):
         given_plans(options, 2, (100, 2000))
     with pytest.raises(ValueError, match="a list of them"):
         BackendOptions.from_mapping({"plan": []})
+
+
+def test_a_plan_from_solve_carries_its_trace_and_is_re_solved_for_a_new_length(trace):
+    """The README's plan (``solve``) at a length it was not made for: re-solved from the trace it
+    carries; one read from a file takes ``options['trace']`` as a ``Trace`` or a path."""
+    import dataclasses
+
+    from hilore_compiler.backend.options import BackendOptions
+    from hilore_compiler.backend.planning import given_plans
+
+    plan = solve(trace, "1.0x-gc", buckets=1, seq_len=256)
+    assert plan.trace is trace and "trace" not in plan.to_json()
+    (again,) = given_plans(BackendOptions.from_mapping({"plan": plan, "verbose": False}), 2, (96, 96))
+    assert (again.batch, again.seq_len) == (2, 96) and again.fingerprint == plan.fingerprint
+    from_file = dataclasses.replace(plan, trace=None)
+    options = BackendOptions.from_mapping({"plan": from_file, "trace": trace, "verbose": False})
+    assert given_plans(options, 2, (96, 96))[0].bucket("b0").decisions == again.bucket("b0").decisions
+
+
+def test_a_wrong_trace_option_names_its_type_in_one_line(trace):
+    from hilore_compiler.backend.options import BackendOptions
+
+    with pytest.raises(ValueError) as info:
+        BackendOptions.from_mapping({"trace": [trace]})
+    message = str(info.value)
+    assert "a Trace, a path to a trace JSON, or None" in message and len(message) < 300, message

@@ -39,6 +39,14 @@ def test_readme_is_short_and_opens_with_the_two_commands():
     assert all("-c constraints.txt" in c for c in commands)  # the CPU torch pin
 
 
+def test_ci_runs_the_readmes_test_command_as_written():
+    """A new user's install is CI's: the README's second command appears in .ci/run verbatim."""
+    first_block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    tests = [line for line in first_block.splitlines() if line.strip() and not line.startswith("#")][1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests.strip() in [line.strip() for line in ci], ".ci/run does not run the README's test command"
+
+
 def test_every_result_file_is_cited_by_readme_or_docs():
     cited = _cited_text()
     results = sorted((ROOT / "bench" / "results").iterdir())
@@ -67,6 +75,35 @@ def test_quick_start_runs_as_written(tmp_path):
                           env={**os.environ, "HILORE_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"predicted peak \d\.\d\dx GC's", done.stdout)
+
+
+#: After the quick start: one call at a length the plan was not made for, then the same
+#: plan read back from its file (no trace with it) on a fresh model at both lengths.
+_NEW_LENGTH = """
+import warnings
+with hilore.exposure("b1"):
+    compiled(ids[:, :96]).logsumexp(-1).mean().backward()           # re-solved from the plan's trace
+plan.save("plan.json")
+torch._dynamo.reset()  # as in a new process: dynamo would serve this forward from the first model's graph
+again = torch.compile(build_model("tiny"), backend="hilore", options={"plan": hilore.load_plan("plan.json")})
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    for n in (128, 96):
+        again(ids[:, :n]).logsumexp(-1).mean().backward()
+print("warned:", [str(w.message) for w in said if "hilore" in str(w.message)])
+"""
+
+
+@pytest.mark.slow
+def test_a_quick_start_plan_at_a_new_length_is_re_solved_or_falls_back_once(tmp_path):
+    """The README's plan, called at 96 tokens: re-solved from the trace it carries. Read from a
+    file it carries none: that graph runs plain Inductor with one warning; training goes on."""
+    done = subprocess.run([sys.executable, "-c", quick_start() + _NEW_LENGTH], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "HILORE_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "re-solving the plan for batch 2, sequence 96 from its trace" in done.stderr
+    warned = done.stdout.split("warned:", 1)[1]
+    assert warned.count("no trace is at hand") == 1 and "falls back to Inductor" in warned, warned
 
 
 @pytest.mark.slow

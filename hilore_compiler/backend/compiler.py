@@ -23,11 +23,13 @@ import torch
 import torch.fx as fx
 
 from ..jsonio import FormatError
+from ..passes.annotate import op_name
 from ..passes.apply import PlanMismatchError
 from ..passes.capture import light_copy
 from ..planfile import Plan
 from .matching import default_bucket
 from .cache import StaleCacheError
+from .lengths import PlanShapeError
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
 from .planning import GraphPlanner
@@ -85,9 +87,15 @@ class HiLoReBackend:
             return _compile_variant(gm, example_inputs, None)
         try:
             return self._plan_and_compile(gm, example_inputs)
+        except PlanShapeError as error:  # a plan for other shapes, nothing to re-solve from: Inductor runs it
+            fall_back(self.options, error, "this graph")
+            return _compile_variant(gm, example_inputs, None)
         except (PlanMismatchError, FormatError):
             raise  # a plan the user gave that does not fit: their input, their error
         except Exception as error:  # planning never stops training: see fall_back
+            if _is_model_untraceable(error):
+                _say_untraceable(error, gm)
+                raise  # as for plain Inductor: dynamo breaks the graph there and runs that part eagerly
             if self.options.strict or _is_dynamo_control_flow(error):
                 raise
             fall_back(self.options, RuntimeError(f"compiling with the plan failed ({type(error).__name__}: "
@@ -138,7 +146,7 @@ class HiLoReBackend:
         return table.dispatcher()
 
 
-def _cause(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+def _cause(error: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
     """The ``kind`` exception in ``error``'s chain of causes (Inductor may wrap it), or None."""
     seen: BaseException | None = error
     while seen is not None and not isinstance(seen, kind):
@@ -151,6 +159,49 @@ def _is_dynamo_control_flow(error: Exception) -> bool:
     from torch._dynamo import exc
 
     return isinstance(error, (exc.RestartAnalysis, exc.SkipFrame))
+
+
+def _is_model_untraceable(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is one no backend gets past: the model's own code
+    reads tensor values (``.item()``, ``.tolist()``) or makes shapes from them, so
+    AOTAutograd cannot trace the graph, with hilore's partitioner or Inductor's."""
+    from torch._dynamo import exc
+
+    kinds = getattr(exc, "exceptions_allowed_to_be_fallback", ())
+    return bool(kinds) and _cause(error, kinds) is not None
+
+
+#: Ops whose output depends on tensor values (and grouped matmuls, whose backward in
+#: transformers' MoE reads the group sizes): the warning names the first as the likely place.
+_DATA_DEPENDENT_OPS = frozenset({"item", "tolist", "nonzero", "_local_scalar_dense", "unique", "bincount", "histc",
+                                 "masked_select", "repeat_interleave"})
+
+#: The causes already said in this process: one warning each.
+_SAID_UNTRACEABLE: set[str] = set()
+
+
+def _say_untraceable(error: BaseException, gm: fx.GraphModule) -> None:
+    """Warn once per cause that the model's own code, not planning, keeps this graph from compiling."""
+    from torch._dynamo import exc
+
+    cause = _cause(error, getattr(exc, "exceptions_allowed_to_be_fallback", ())) or error
+    what = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    if what in _SAID_UNTRACEABLE:
+        return
+    _SAID_UNTRACEABLE.add(what)
+    where = ""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    names = {n: op_name(n) for n in calls}
+    for node in sorted(calls, key=lambda n: "grouped_mm" not in names[n]):  # grouped matmuls first
+        if "grouped_mm" in names[node] or names[node] in _DATA_DEPENDENT_OPS:
+            frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+                      if line.strip().startswith("File ")]
+            where = f" near `{names[node]}`" + (f" ({frames[-1]})" if frames else "")
+            break
+    warnings.warn(f"hilore: the model's own code reads tensor values while this graph is traced ({what}){where}; "
+                  "no compiler can trace that, so dynamo breaks the graph there and runs that part eagerly, as it "
+                  "does for plain Inductor. This is not a planning failure: the rest of the model is planned",
+                  HiLoReWarning, stacklevel=3)
 
 
 def _has_partitioner_hook() -> bool:

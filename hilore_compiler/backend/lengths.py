@@ -79,9 +79,30 @@ def beyond_range(options: BackendOptions, seq_len: int) -> str | None:
             "(the memory ceiling checked at its length), but raise max_seq_len to plan such lengths from the start")
 
 
+class PlanShapeError(PlanMismatchError):
+    """A given plan was made for another batch or other lengths than a call's, and no trace
+    is at hand to re-solve it from: the graph is compiled by plain Inductor (``strict`` raises)."""
+
+
+def given_trace(options: BackendOptions, plans: Sequence[Plan]) -> Trace | None:
+    """The trace to re-solve the user's plans from: ``options.trace`` (a ``Trace`` or a path),
+    else the one a plan from ``solve`` carries; None when neither is at hand."""
+    given = options.trace
+    trace = load_trace(given) if given is not None and not isinstance(given, Trace) else given
+    if trace is None:
+        trace = next((p.trace for p in plans if p.trace is not None), None)
+    if trace is not None and trace.fingerprint != plans[0].fingerprint:
+        where = "the trace given" if given is None or isinstance(given, Trace) else f"trace {given}"
+        raise PlanMismatchError(
+            f"{where} (fingerprint {trace.fingerprint}) is not the plan's model (fingerprint "
+            f"{plans[0].fingerprint}): pass options={{'trace': ...}} with the trace the plan was made from"
+        )
+    return trace
+
+
 def given_plans(options: BackendOptions, batch: int, seq_range: tuple[int, int]) -> tuple[Plan, ...]:
     """The user's plans (one per length bucket) when they hold over ``seq_range`` at ``batch``;
-    else re-solved from ``options.trace``."""
+    else re-solved from their trace (``given_trace``); ``PlanShapeError`` without one."""
     given = options.plan if isinstance(options.plan, tuple) else (options.plan,)
     plans = tuple(sorted((p if isinstance(p, Plan) else load_plan(p) for p in given), key=lambda p: p.length_range))
     if len({p.fingerprint for p in plans}) > 1:
@@ -91,20 +112,16 @@ def given_plans(options: BackendOptions, batch: int, seq_range: tuple[int, int])
     if all(p.batch == batch for p in plans) and _covered(plans, lo, hi):
         return plans
     where = f"sequence {hi}" if lo == hi else f"sequences {lo} to {hi}"
-    made = ", ".join("{}-{}".format(*p.length_range) for p in plans)
-    if options.trace is None:
-        raise PlanMismatchError(
+    trace = given_trace(options, plans)
+    if trace is None:
+        made = ", ".join("{}-{}".format(*p.length_range) for p in plans)
+        raise PlanShapeError(
             f"the plan was made for batch {plans[0].batch}, sequence lengths {made} but this graph runs batch "
-            f"{batch}, {where}: pass options={{'trace': TRACE}} to re-solve it for these shapes, or run "
-            "`hilore plan TRACE --batch B --seq-len S` (or --seq-len LO:HI for a range)"
+            f"{batch}, {where}, and no trace is at hand to re-solve it: pass options={{'trace': TRACE}} (the "
+            "Trace or its JSON file) to re-solve it for these shapes, or make plans that cover them with "
+            "`hilore plan TRACE --batch B --seq-len LO:HI`"
         )
-    trace = load_trace(options.trace)
-    if trace.fingerprint != plans[0].fingerprint:
-        raise PlanMismatchError(
-            f"trace {options.trace} (fingerprint {trace.fingerprint}) is not the plan's "
-            f"model (fingerprint {plans[0].fingerprint})"
-        )
-    say(options, f"re-solving the plan for batch {batch}, {where} from {options.trace}")
+    say(options, f"re-solving the plan for batch {batch}, {where} from its trace")
     return solve_lengths(trace, options, batch, seq_range)
 
 

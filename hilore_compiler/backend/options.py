@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..planfile import Plan
+from ..tracefile import Trace
 from .cache import default_cache_dir
 from ..validate import plan_problems, raise_problems
 from ..vocabulary import DEFAULT_CODECS, check_codecs
@@ -23,8 +24,11 @@ class BackendOptions:
     #: (``hilore plan --seq-len LO:HI --length-buckets N``). None: trace,
     #: profile and solve on first compile.
     plan: str | os.PathLike | Plan | tuple[str | os.PathLike | Plan, ...] | None = None
-    #: A trace (path) to re-solve from when the plan was made for another shape.
-    trace: str | os.PathLike | None = None
+    #: The plan's trace (a ``Trace`` or a path to its JSON) to re-solve from when
+    #: a call's batch or length lies outside what the plan was made for. None:
+    #: the trace a ``Plan`` from ``solve`` carries; a plan read from a file
+    #: carries none, and such a call is then compiled by plain Inductor.
+    trace: str | os.PathLike | Trace | None = None
     #: Activation memory budget: ``"1.10x-gc"``, ``"0.5x-store"`` or ``"6GiB"``.
     memory_budget: str = "1.10x-gc"
     #: Risk budget per bucket; None takes the solver's calibrated default.
@@ -36,9 +40,12 @@ class BackendOptions:
     #: costs) with plans that allow them all.
     trace_codecs: tuple[str, ...] | None = None
     #: How a graph the backend plans itself is costed: ``"measured"`` times each
-    #: unit's recompute and codecs here; ``"roofline:h100"`` (``h200``,
-    #: ``a100``) predicts them from FLOPs, bytes and the device's peaks and
-    #: runs nothing: for CI, a fake-CUDA graph, or where profiling is unwanted.
+    #: unit's recompute and codecs here; ``"roofline:h100"`` (``l40s``, ``a100``
+    #: and the rest of ``passes.costmodel.DEVICES``) predicts them from FLOPs,
+    #: bytes and the device's peaks and runs nothing: for CI, a fake-CUDA graph,
+    #: or where profiling is unwanted. ``"roofline:cpu"`` makes CPU plans that
+    #: depend on shapes alone: every process makes the same plan however busy
+    #: the machine is, at the price of costs predicted rather than measured.
     cost_model: str = "measured"
     #: Number of non-zero exposure buckets (one compiled variant each at most).
     buckets: int = 3
@@ -99,7 +106,7 @@ class BackendOptions:
             accepts, expected = _EXPECTED.get(name, (lambda v: True, ""))
             if not accepts(value):
                 raise ValueError(f"hilore backend option {name!r} must be {expected}, "
-                                 f"got {type(value).__name__} {value!r}")
+                                 f"got {type(value).__name__} {_short_repr(value)}")
         _check_values(options)
         if isinstance(options.get("plan"), (list, tuple)):
             options["plan"] = tuple(options["plan"])
@@ -143,6 +150,13 @@ def _check_values(options: Mapping[str, Any]) -> None:
                 check(options[name])
             except ValueError as error:
                 raise ValueError(f"hilore backend option {name!r}: {error}") from None
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a wrong object (a whole model, a
+    trace) should name itself in an error, not fill the screen."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _default(name: str) -> Any:
@@ -189,7 +203,7 @@ def _number(value: Any) -> bool:
 _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "plan": (lambda v: v is None or all(isinstance(p, Plan) or _path(p) for p in _as_tuple(v)) and _as_tuple(v) != (),
              "a Plan, a path to a plan JSON, a list of them (one per length bucket), or None"),
-    "trace": (lambda v: v is None or _path(v), "a path to a trace JSON, or None"),
+    "trace": (lambda v: v is None or isinstance(v, Trace) or _path(v), "a Trace, a path to a trace JSON, or None"),
     "memory_budget": (lambda v: isinstance(v, str) and v.strip() != "",
                       'a string such as "1.10x-gc", "0.5x-store" or "6GiB"'),
     "risk_budget": (lambda v: v is None or _number(v) or (isinstance(v, str) and v.strip() != ""),
@@ -198,7 +212,8 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trace_codecs": (lambda v: v is None or _codec_names(v),
                      "a list of codec names (a superset of codecs), or None (the same as codecs)"),
     "cost_model": (lambda v: isinstance(v, str) and _known_cost_model(v),
-                   "'measured' or 'roofline:<gpu>' with <gpu> one of h100, h200, a100"),
+                   "'measured' or 'roofline:<device>' (hilore_compiler.passes.costmodel.DEVICES: h100, l40s, "
+                   "cpu, ...)"),
     "buckets": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                 "a positive int (the number of non-zero exposure buckets)"),
     "cache_dir": (_path, "a folder path (str or os.PathLike)"),

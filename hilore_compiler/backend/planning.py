@@ -27,11 +27,11 @@ from ..passes.annotate import UnitNodes, annotate_units
 from ..passes.apply import PlanMismatchError
 from ..passes.capture import GraphCapture, capture_joint, lifted_args
 from ..planfile import Plan
-from ..tracefile import Trace, load_trace
+from ..tracefile import Trace
 from .cache import PlanCache, StaleCacheError
 # cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
 from .cachekey import cache_key, structure_key, trace_key  # noqa: F401
-from .lengths import beyond_range, ceiling_at, given_plans, planned_range, solve_lengths
+from .lengths import beyond_range, ceiling_at, given_plans, given_trace, planned_range, solve_lengths
 from .matching import GraphDecisions, match_plan
 from .options import BackendOptions
 # HiLoReWarning, say, fall_back: importable from here too, as tests do.
@@ -84,6 +84,7 @@ class GraphPlanner:
         given_static = options.plan is not None and not self.dynamic
         self.seq_range = (self.seq_len, self.seq_len) if given_static else planned_range(options, self.seq_len)
         self._said_beyond = False
+        self._said_kept = False
         self._say_beyond(self.seq_len)
         self.plans: tuple[Plan, ...] = ()
         self.trace: Trace | None = None
@@ -139,6 +140,7 @@ class GraphPlanner:
         if not self.dynamic or (batch <= self.planned_batch and lo <= seq_len <= hi):
             return False
         if not self._load_trace():
+            self._say_kept(batch, seq_len)
             self.keep_plans(batch, seq_len)  # nothing to re-solve from
             return False
         self.planned_batch = max(batch, self.planned_batch)
@@ -174,6 +176,9 @@ class GraphPlanner:
         of a static graph, another backend with the same options) runs the
         same plans.
         """
+        if shared.empty:  # rank 0's graph saves nothing for backward: nothing to plan on any rank
+            self.planning, self.source = False, "rank 0"
+            return True
         if shared.trace is not None:
             self.trace = shared.trace
         found = shared.find(self.planned_batch, self.seq_range, self._solving.length_buckets)
@@ -217,6 +222,18 @@ class GraphPlanner:
             self._said_beyond = True
             warnings.warn(message, HiLoReWarning, stacklevel=4)
 
+    def _say_kept(self, batch: int, seq_len: int) -> None:
+        """Warn, once per graph, that a call outside the given plans' shapes runs them unchecked."""
+        if self._said_kept:
+            return
+        self._said_kept = True
+        lo, hi = self.seq_range
+        warnings.warn(f"hilore: the plan was made for batch {self.planned_batch}, sequence lengths {lo}-{hi} but "
+                      f"this call runs batch {batch}, sequence {seq_len}, and no trace is at hand to re-solve it: "
+                      "its decisions run as they are, the memory ceiling unchecked at this shape (pass "
+                      "options={'trace': TRACE}, the Trace or its JSON file, to re-solve it)",
+                      HiLoReWarning, stacklevel=4)
+
     def keep_plans(self, batch: int, seq_len: int) -> None:
         """Let the plans stand for this shape too, so that later calls stop asking to re-solve."""
         lo, hi = self.seq_range
@@ -230,8 +247,8 @@ class GraphPlanner:
         """Whether the trace to re-solve from is at hand (made here, cached, or given)."""
         if self.trace is None and self.cache is not None:
             self.trace = self.cache.load_trace()
-        if self.trace is None and self.options.trace is not None:
-            self.trace = load_trace(self.options.trace)
+        if self.trace is None and self.plans and (self.options.plan is not None or self.options.trace is not None):
+            self.trace = given_trace(self.options, self.plans)
         return self.trace is not None
 
     def prepare(self, joint: fx.GraphModule, joint_inputs: Sequence[object], plan: Plan | None, bucket: str | None,

@@ -255,17 +255,19 @@ def buckets_that_pay(model: CostModel, weights: Sequence[BucketWeight], plans: d
     return {k: dict(v) for k, v in blind.items()}, note
 
 
-def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_BUDGET,
+def solve(trace: Trace | str | os.PathLike, memory_budget: str | int | float = DEFAULT_BUDGET,
           risk_budget: float | str | None = DEFAULT_RISK_BUDGET,
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
           gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
           accumulate_gradients: bool = False, options: SolverOptions | None = None,
-          progress: Progress | None = None, limits: PlanningLimits | None = None) -> Plan:
+          progress: Progress | None = None, limits: PlanningLimits | None = None,
+          budget: str | int | float | None = None) -> Plan:
     """Plan store / compress / recompute per recovery unit for every exposure bucket, jointly.
 
-    ``budget``: ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
+    ``memory_budget`` (the backend option's name; ``budget=`` is the same
+    argument under its earlier name): ``"6GiB"``, ``"750MB"``, ``123456`` (bytes), ``"1.10x-gc"`` or
     ``"0.5x-store"``; it bounds the step's predicted peak (``memory.py``), and
     ``x-gc`` is relative to GC's predicted peak, or to ``gc_peak_bytes`` when
     given (GC's measured peak). ``loss_ratio``: the loss's own peak as a
@@ -285,11 +287,16 @@ def solve(trace: Trace | str | os.PathLike, budget: str | int | float = DEFAULT_
     through all of it, GC's reference peak included. ``limits``: the most units
     and the total ILP time (``limits.PlanningLimits``; default 20,000 units, 120 s).
     """
+    if budget is not None:
+        if memory_budget != DEFAULT_BUDGET and memory_budget != budget:
+            raise TypeError(f"solve() got memory_budget={memory_budget!r} and budget={budget!r}: give one "
+                            "(budget is memory_budget's earlier name)")
+        memory_budget = budget
     check_cbc()
     error2 = parse_risk_budget(risk_budget)
     trace, model = prepare(trace, codecs=codecs, batch=batch, seq_len=seq_len, loss_ratio=loss_ratio,
                            accumulate_gradients=accumulate_gradients, limits=limits)
-    parsed = parse_budget(budget)
+    parsed = parse_budget(memory_budget)
     check_gc_peak(gc_peak_bytes)
     budget_bytes = parsed.bytes_at(gc_bytes=gc_peak_bytes or model.gc_bytes, store_bytes=model.store_bytes)
     return plan_model(trace, model, budget=parsed, budget_bytes=budget_bytes, risk_budget=error2,
@@ -363,5 +370,6 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         store_bytes=model.store_bytes, risk_budget=error2,
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
         buckets=(skip_bucket(zero_share(exposures)), *solved), units=plan_units(model), notes=tuple(notes),
+        trace=trace,
     )
 

@@ -127,6 +127,47 @@ def test_a_rank_waits_only_while_rank_0_is_planning_and_says_once_when_it_plans_
     assert sum("rank 0" in str(w.message) for w in caught) == 1
 
 
+def test_a_record_rank_1_cannot_read_is_said_once_and_the_graph_planned_here(as_rank, traced):
+    """Whatever rank 0's record holds (here: not JSON), rank 1's step goes on: it plans alone."""
+    key_of = {}
+    real_init = PlanShare.__init__
+
+    def init(self, store, rank, key, timeout_s):
+        real_init(self, store, rank, key, timeout_s)
+        key_of["trace"] = self._trace_key
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PlanShare, "__init__", init)
+        as_rank(0, 16)
+        as_rank.store.values[key_of["trace"]] = b"{not json"
+        with pytest.warns(HiLoReWarning, match="could not be read .* plans it on its own"):
+            alone = as_rank(1, 24)
+    assert alone.plan is not None and alone.planner.source == "made" and traced == [16, 24]
+
+
+def test_a_graph_that_saves_nothing_is_shared_as_empty_not_as_a_trace(monkeypatch):
+    """An FSDP root graph saves nothing for backward: rank 0 records ``empty``, and the
+    other rank plans nothing for it, instead of failing to read a trace without units."""
+    from hilore_compiler.tracefile import Trace
+
+    store = DictStore()
+    rank0, rank1 = PlanShare(store, 0, "g", 1.0), PlanShare(store, 1, "g", 1.0)
+    empty = Trace(fingerprint="0" * 16, model="graph", batch=2, seq_len=8, device="cpu", cost_source="measured",
+                  units=(), gc_bytes="0", store_bytes="0", num_layers=0)
+    rank0.publish(empty)
+    shared = rank1.wait()
+    assert shared is not None and shared.empty and shared.trace is None
+
+
+def test_a_store_that_fails_while_rank_1_waits_is_said_and_the_graph_planned_here():
+    class Gone(DictStore):
+        def check(self, keys):
+            raise ConnectionResetError("rank 0 closed the connection")
+
+    with pytest.warns(HiLoReWarning, match="ConnectionResetError"):
+        assert PlanShare(Gone(), 1, "g", 1.0).wait() is None
+
+
 def test_rank_0_started_but_did_not_finish_in_time(as_rank, traced):
     as_rank.store.all_started = True  # rank 0 started every graph and finishes none
     with pytest.warns(HiLoReWarning, match="did not finish planning a graph within 0.05 s"):

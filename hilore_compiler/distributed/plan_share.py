@@ -33,9 +33,14 @@ lengths). Under each, rank 0 (the only writer) sets
 
 - ``plans``: JSON list of plan sets, each the plans solved for one batch,
   length range and length-bucket count (``PlanSet``), appended as it solves;
-- ``trace``: JSON ``{"trace": trace | null, "error": message | null}``, set
-  after the first plan set, so a rank that sees it finds that set too;
+- ``trace``: JSON ``{"trace": trace | null, "error": message | null, "empty": bool}``,
+  set after the first plan set, so a rank that sees it finds that set too;
+  ``empty``: the graph's backward saves nothing, so there is nothing to plan
+  (an FSDP root graph around the sharded blocks, say);
 - ``planning``: set when rank 0 starts planning the graph (see above).
+
+Nothing here stops a step: a record that cannot be read, a store that fails,
+anything unexpected, and the rank plans the graph on its own, said once.
 
 A rank takes a plan set that covers its own batch and lengths; with none, it
 solves rank 0's trace for its lengths (the same inputs to the solver, so the
@@ -112,6 +117,8 @@ class Shared:
     trace: Trace | None
     error: str | None
     sets: tuple[PlanSet, ...]
+    #: Rank 0 found nothing to plan in this graph (its backward saves nothing).
+    empty: bool = False
 
     def find(self, batch: int, seq_range: tuple[int, int], length_buckets: int) -> PlanSet | None:
         """The first plan set that holds for ``batch`` over ``seq_range``, or None."""
@@ -133,24 +140,43 @@ class PlanShare:
         return self.rank == 0
 
     def peek(self) -> Shared | None:
-        """What rank 0 has published for this graph so far, without waiting; None: nothing yet."""
-        if not self.store.check([self._trace_key]):
+        """What rank 0 has published for this graph so far, without waiting; None: nothing yet,
+        or a record this rank cannot use (said once: it then plans the graph on its own)."""
+        try:
+            if not self.store.check([self._trace_key]):
+                return None
+            record = json.loads(self.store.get(self._trace_key))
+            trace = None if record.get("trace") is None else trace_from_json(record["trace"],
+                                                                            "trace shared by rank 0")
+            return Shared(trace, record.get("error"), self._plan_sets(), empty=bool(record.get("empty")))
+        except Exception as error:  # a shared plan is an optimisation: never a reason to stop
+            _say_alone(f"rank 0's record of this graph could not be read ({type(error).__name__}: "
+                       f"{_first_line(error)}): rank {self.rank} plans it on its own")
             return None
-        record = json.loads(self.store.get(self._trace_key))
-        trace = None if record.get("trace") is None else trace_from_json(record["trace"], "trace shared by rank 0")
-        return Shared(trace, record.get("error"), self._plan_sets())
 
     def announce(self) -> None:
         """Rank 0: say that it is planning this graph now, so that the other ranks wait for it."""
-        if self.plans_here:
+        if not self.plans_here:
+            return
+        try:
             self.store.set(self._planning_key, "1")
+        except Exception as error:  # the others then plan on their own after START_GRACE_S
+            _say_alone(f"announcing this graph's planning failed ({type(error).__name__}: {_first_line(error)})")
 
     def wait(self) -> Shared | None:
         """Rank 0's record of this graph, waited for while rank 0 is planning it (see the module
         docstring); None, said once per process, when this rank must plan it on its own."""
-        global _gave_up
         if self.plans_here:
             return self.peek()
+        try:
+            return self._wait()
+        except Exception as error:  # the store failed (rank 0 gone, a closed connection): plan here
+            _say_alone(f"waiting for rank 0's plan of this graph failed ({type(error).__name__}: "
+                       f"{_first_line(error)}): rank {self.rank} plans it on its own")
+            return None
+
+    def _wait(self) -> Shared | None:
+        global _gave_up
         start, started = time.monotonic(), False
         while not self.store.check([self._trace_key]):
             waited = time.monotonic() - start
@@ -170,20 +196,30 @@ class PlanShare:
         return self.peek()
 
     def publish(self, trace: Trace | None, plan_set: PlanSet | None = None, error: str | None = None) -> None:
-        """Rank 0: add ``plan_set`` to this graph's sets, then record the trace (first one kept)."""
+        """Rank 0: add ``plan_set`` to this graph's sets, then record the trace (first one kept).
+        A trace without units is recorded as ``empty``: nothing to plan, nothing to send."""
         if not self.plans_here:
             return
-        if plan_set is not None:
-            sets = [s.to_json() for s in self._plan_sets()] + [plan_set.to_json()]
-            self.store.set(self._plans_key, json.dumps(sets))
-        if not self.store.check([self._trace_key]):
-            record = {"trace": None if trace is None else trace.to_json(), "error": error}
-            self.store.set(self._trace_key, json.dumps(record))
+        try:
+            if plan_set is not None:
+                sets = [s.to_json() for s in self._plan_sets()] + [plan_set.to_json()]
+                self.store.set(self._plans_key, json.dumps(sets))
+            if not self.store.check([self._trace_key]):
+                empty = trace is not None and not trace.units
+                record = {"trace": None if trace is None or empty else trace.to_json(), "error": error,
+                          "empty": empty}
+                self.store.set(self._trace_key, json.dumps(record))
+        except Exception as error:  # the others then wait out their timeout and plan on their own
+            _say_alone(f"publishing this graph's plans failed ({type(error).__name__}: {_first_line(error)})")
 
     def _plan_sets(self) -> tuple[PlanSet, ...]:
         if not self.store.check([self._plans_key]):
             return ()
         return tuple(PlanSet.from_json(obj) for obj in json.loads(self.store.get(self._plans_key)))
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
 
 
 def _say_alone(what: str) -> None:

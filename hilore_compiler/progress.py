@@ -7,12 +7,31 @@ unit flooding stderr.
 
 from __future__ import annotations
 
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 
 #: Seconds between two progress lines: often enough to see a step move, rarely
 #: enough that a 400-unit profile says about a dozen lines.
 PROGRESS_INTERVAL_S = 3.0
+
+
+#: Widest line a progress message takes on stderr: the width ``hilore show`` keeps to,
+#: so a long message (a cache path, a list of keys) wraps instead of running off a terminal.
+LINE_WIDTH = 100
+
+
+def wrap_line(text: str, width: int = LINE_WIDTH) -> str:
+    """``text`` folded at word boundaries to ``width`` columns, later lines indented by
+    four; a word longer than a line (a path) stays whole."""
+    return textwrap.fill(text, width=width, subsequent_indent="    ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def tell(text: str) -> None:
+    """One progress message on stderr, folded to ``LINE_WIDTH`` columns."""
+    print(wrap_line(text), file=sys.stderr, flush=True)
 
 
 class Ticker:

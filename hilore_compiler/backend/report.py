@@ -3,9 +3,10 @@ where it falls back to Inductor's own choice (never an error, unless ``strict``)
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import TYPE_CHECKING
+
+from ..progress import tell
 
 if TYPE_CHECKING:  # options imports the cache, which reports through here
     from .options import BackendOptions
@@ -18,7 +19,7 @@ class HiLoReWarning(UserWarning):
 def say(options: BackendOptions, message: str) -> None:
     """Progress on stderr when ``options.verbose``."""
     if options.verbose:
-        print(f"hilore: {message}", file=sys.stderr, flush=True)
+        tell(f"hilore: {message}")
 
 
 def fall_back(options: BackendOptions, error: Exception, what: str) -> None:

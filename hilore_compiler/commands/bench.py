@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import SUMMARIES, comma_list, length_list
+from ..progress import tell
 
 if TYPE_CHECKING:
     from ..bench.runner import BenchConfig
@@ -272,7 +273,7 @@ def _command() -> str:
 
 
 def _progress(message: str) -> None:
-    print(f"bench: {message}", file=sys.stderr, flush=True)
+    tell(f"bench: {message}")
 
 
 def run(args: argparse.Namespace) -> int:

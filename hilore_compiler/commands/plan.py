@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from pathlib import Path
 
 from ..jsonio import check_output_path, save_or_fallback
@@ -16,6 +15,7 @@ from ..vocabulary import DEFAULT_CODECS
 from ..solver.lengths import solve_length_buckets
 from . import SUMMARIES, length_list
 from .show import exposure_range
+from ..progress import tell
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(risk_budget=args.risk, buckets=args.buckets, codecs=args.codecs, batch=args.batch,
                   exposure_mix=args.exposure_mix, loss_ratio=args.loss_ratio, gc_peak_bytes=args.gc_peak,
                   options=SolverOptions(time_limit_s=args.time_limit, tie_blocks=not args.full_ilp),
-                  progress=lambda message: print(message, file=sys.stderr, flush=True))
+                  progress=tell)
     lo, hi = args.seq_len or (None, None)
     if lo is None or lo == hi:
         plans = (solve(args.trace, args.budget, seq_len=hi, **common),)

@@ -17,7 +17,6 @@ into the same microbatches and sum the gradient in the same order.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from ..models import build_model
 from .arms import Arm, load_weights
 from .rollout import rollout, task_score
 from .task import TaskConfig, make_prompts
+from ..progress import tell
 
 Progress = Callable[[str], None]
 
@@ -166,4 +166,4 @@ def shared_steps(run: ArmRun, reference: ArmRun) -> int:
 
 def stderr_progress(message: str) -> None:
     """Progress lines on stderr, flushed (stdout carries the summary)."""
-    print(f"hilore eval: {message}", file=sys.stderr, flush=True)
+    tell(f"hilore eval: {message}")

@@ -47,6 +47,7 @@ from .capture import default_partition, fresh_code, inductor_partition, light_co
 from .partition import partition_with_decisions
 from ..tracefile import RecoveryUnit, Trace
 from ..vocabulary import COMPRESS_PREFIX, STORE, compress
+from ..progress import tell
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,7 +305,7 @@ def calibrate(model: torch.nn.Module, example_inputs: Sequence[Any], loss_fn: Ca
              if cost.usable and (config.codecs is None or codec in config.codecs)]
 
     def progress(message: str) -> None:
-        print(f"hilore calibrate: {message}", file=sys.stderr, flush=True)
+        tell(f"hilore calibrate: {message}")
 
     errors = measured_error(model, example_inputs, loss_fn, trace,
                             [{unit.key: compress(codec)} for _, unit, codec in pairs],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ..sizeexpr import format_size
 from ..tracefile import RecoveryUnit, Trace, eval_size, parse_size
 from ..solver.rounding import round_measured_costs
 from ..vocabulary import DEFAULT_CODECS, group_of
+from ..progress import tell
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,7 +63,7 @@ def default_loss(out: Any) -> torch.Tensor:
 def _progress(config: TraceConfig) -> Callable[[str], None]:
     def say(msg: str) -> None:
         if config.verbose:
-            print(f"hilore trace: {msg}", file=sys.stderr, flush=True)
+            tell(f"hilore trace: {msg}")
     return say
 
 

@@ -129,7 +129,15 @@ def format_error(error2: float, *, cosine: bool = True) -> str:
     """A squared relative error as people read it: ``rel. L2 0.0447 (cos >= 0.999)``,
     without the cosine it guarantees when ``cosine`` is False."""
     text = f"rel. L2 {math.sqrt(max(error2, 0.0)):.3g}"
-    return f"{text} (cos >= {error2_to_cosine(error2):.6g})" if cosine else text
+    return f"{text} ({format_cosine(error2_to_cosine(error2))})" if cosine else text
+
+
+def format_cosine(cos: float) -> str:
+    """``cos >= 0.999902``; past six nines as ``cos >= 1 - 5e-09`` (never a bound of 1 that is not one)."""
+    if cos >= 1.0:
+        return "cos = 1"
+    text = f"{cos:.6g}"
+    return f"cos >= 1 - {1.0 - cos:.2g}" if float(text) >= 1.0 else f"cos >= {text}"
 
 
 def parse_risk_budget(budget: float | int | str | None) -> float:

@@ -311,6 +311,7 @@ def test_updates_are_timed_on_the_default_allocator_and_peaks_measured_apart(tmp
     assert [r["method"] for r in report["rows"]] == ["gc", "gc-skip"]
 
 
+@pytest.mark.slow
 def test_gc_skip_runs_gc_without_the_zero_exposure_samples_and_the_same_gradient(tmp_path):
     """``gc-skip`` is GC in the update loop with the zero skip: it skips every
     zero-advantage sample that ``gc`` runs, and (no KL term) the gradient is the same."""

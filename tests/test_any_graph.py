@@ -87,6 +87,7 @@ def test_graph_that_saves_nothing_compiles():
     assert graph.plan is None and graph.records[0].units == 0
 
 
+@pytest.mark.slow
 def test_recompute_really_happens_on_a_float_input_model():
     # Below store-all's peak: on blocks this small, with backward freeing the
     # blocks it has finished, store-all fits within GC's own peak.
@@ -98,6 +99,7 @@ def test_recompute_really_happens_on_a_float_input_model():
     assert record.saved_bytes < record.default_saved_bytes
 
 
+@pytest.mark.slow
 def test_graph_break_gets_a_plan_per_graph_zero_config():
     torch.manual_seed(0)
     model = Blocks(4, graph_break=True)
@@ -106,6 +108,7 @@ def test_graph_break_gets_a_plan_per_graph_zero_config():
     assert all(g.plan is not None and g.records[0].counts["recompute"] > 0 for g in backend.graphs)
 
 
+@pytest.mark.slow
 def test_graph_break_offline_plan_applies_to_each_graph():
     torch.manual_seed(0)
     model, x = Blocks(4, graph_break=True), torch.randn(2, 8, 16)
@@ -138,6 +141,7 @@ class Rotary(nn.Module):
         return self.out(k * k)
 
 
+@pytest.mark.slow
 def test_encode_reads_its_value_instead_of_computing_it_again():
     """An int8 encode reads its input twice (absmax, quantize); Inductor would
     inline a pointwise root into both loops, evaluating the rotary's sin three

@@ -198,6 +198,7 @@ def compiled():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["sac-op", "sac-layer2"])
 def test_compiled_selective_ac_gradients_match_store_alls(compiled, method):
     run = compiled[method]
@@ -205,6 +206,7 @@ def test_compiled_selective_ac_gradients_match_store_alls(compiled, method):
     assert (run["dynamo_graphs"], run["graph_breaks"]) == (1, {})
 
 
+@pytest.mark.slow
 def test_compiled_gc_int8_is_close_to_store_all_keeps_int8_and_breaks_only_around_layers(compiled):
     run, exact = compiled["gc-int8"], compiled["store-all"]["grad"]
     assert torch.cosine_similarity(run["grad"], exact, dim=0) > 0.999

@@ -98,6 +98,7 @@ print(json.dumps({"hits": counters["aot_autograd"]["autograd_cache_hit"], "recor
 """
 
 
+@pytest.mark.slow
 def test_a_given_plan_served_from_inductors_cache_is_still_the_graphs_plan(tmp_path):
     # The bench's timed and measured workers compile one given plan twice; the
     # second compile is served by AOTAutograd's cache, the partitioner never
@@ -172,6 +173,7 @@ def test_compiler_settings_that_change_the_joint_graph_change_the_key(tmp_path):
     assert len(list(tmp_path.glob("*.plan.json"))) == 3 and len(list(tmp_path.glob("*.trace.json"))) == 3
 
 
+@pytest.mark.slow
 def test_the_key_names_versions_and_settings_the_same_way_in_every_process():
     import subprocess
     import sys
@@ -187,6 +189,7 @@ def test_the_key_names_versions_and_settings_the_same_way_in_every_process():
     assert fresh[0] == fresh[1]
 
 
+@pytest.mark.slow
 def test_a_cached_plan_of_another_model_is_moved_aside_and_the_graph_planned_afresh(tmp_path):
     """A valid plan under the key that was made for another model stopped every later
     run with PlanMismatchError; now it is set aside, said once, and training goes on."""

@@ -34,6 +34,7 @@ def traced_tiny():
     return model, traced
 
 
+@pytest.mark.slow
 def test_calibration_measures_sensitivity_per_kind(traced_tiny):
     model, traced = traced_tiny
     ids = _batch(0)
@@ -66,6 +67,7 @@ def test_calibration_measures_sensitivity_per_kind(traced_tiny):
     assert abs(together - quadrature) < 0.5 * abs(sum(single) - together)  # closer than the plain sum
 
 
+@pytest.mark.slow
 def test_a_buckets_error_scales_with_its_share_of_squared_exposure(traced_tiny):
     """solver/risk.py: samples' gradients and their errors are nearly orthogonal,
     so a plan run for one bucket's samples only leaves sqrt(q) of the error it
@@ -118,6 +120,7 @@ def test_cli_calibrates_every_unit_on_several_microbatches(traced_tiny, tmp_path
     assert any(len(values) > 1 for values in by_kind.values())
 
 
+@pytest.mark.slow
 def test_joint_runner_gives_the_compiled_plans_gradients(traced_tiny, monkeypatch):
     """Calibration runs one joint graph under every plan (``JointRunner``)
     instead of compiling each plan; its gradients must be those the plans'
@@ -164,6 +167,7 @@ def _joint_ops(partition_fn_of, model, ids) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_calibration_sees_inductors_joint_passes_on_a_torch_without_the_override_hook(traced_tiny, monkeypatch):
     """torch 2.11's ``partition_fn`` has no ``partitioner_fn_override``; calibration
     then goes through the configured custom partitioner, after the same joint passes,

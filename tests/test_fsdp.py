@@ -194,12 +194,14 @@ def ranks(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 def test_gradients_after_reduce_scatter_equal_single_process_store_all(ranks):
     for r in ranks:
         assert r["rel_l2"] < 1e-5, r["rel_l2"]
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_each_rank_picks_its_own_bucket_in_the_same_slot(ranks):
     r0, r1 = ranks
     assert r0["run_buckets"] == ("b1", "pad") and r1["run_buckets"] == ("b0", "b1")
@@ -207,6 +209,7 @@ def test_each_rank_picks_its_own_bucket_in_the_same_slot(ranks):
     assert r0["seen"] == ["b1", "b0"] and r1["seen"] == ["b0", "b1"]
 
 
+@pytest.mark.slow
 def test_zero_skip_only_where_every_rank_skips_the_slot(ranks):
     r0, r1 = ranks
     # Rank 0 has two zero microbatches: the first fills slot 1 (rank 1 works
@@ -218,6 +221,7 @@ def test_zero_skip_only_where_every_rank_skips_the_slot(ranks):
     assert r0["tokens_per_s"] == r1["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_recompute_needs_no_extra_all_gather(ranks):
     # FSDP2 all-gathers each block again before its backward (the input
     # gradient of a matmul needs the weight anyway), so GC, which recomputes
@@ -226,6 +230,7 @@ def test_recompute_needs_no_extra_all_gather(ranks):
         assert r["gathers_compiled"] == r["gathers_gc"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "hilore", reason="plans exist only with the hilore backend")
 def test_every_rank_applies_rank_0_plan_and_codecs_keep_cosine(ranks):
     assert ranks[0]["plan_digest"] == ranks[1]["plan_digest"] is not None

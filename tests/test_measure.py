@@ -105,6 +105,7 @@ print(loss_side(loss, (4, 256, 512), torch.float32, "cpu"), loss_side(loss, (4, 
 """
 
 
+@pytest.mark.slow
 def test_loss_side_measures_what_the_eager_loss_adds_over_the_logits():
     """fp32 log-probs + GRPO loss hold about 3 logits-sized buffers at once beyond the
     logits (a log-softmax temporary, the gather's dense gradient, their sum); bf16

@@ -74,6 +74,7 @@ def test_cbc_status_reads_the_latest_plan_and_bound_from_its_log():
     assert cbc_status(log, 6.0, 12.0) == "CBC has run 6 s of at most 12 s; a plan found, within 1.0% of optimal"
 
 
+@pytest.mark.slow
 def test_the_backend_says_how_a_long_cbc_run_is_doing_when_verbose(monkeypatch, capsys):
     from hilore_compiler.backend import BackendOptions
     from hilore_compiler.backend.planning import solve_lengths

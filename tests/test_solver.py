@@ -295,6 +295,7 @@ def test_resimulation_rejects_what_the_solver_should_not_return():
         simulate(model, bad)
 
 
+@pytest.mark.slow
 def test_checked_in_traces_buckets_differ_where_the_budget_binds():
     """At 1.10x-gc both checked-in traces compress, and at the default target
     (cos >= 0.999) their error budgets do not bind: a codec's measured errors
@@ -324,6 +325,7 @@ def test_checked_in_traces_buckets_differ_where_the_budget_binds():
     assert not any(b.proxy_sensitivity for b in small.buckets if not b.skip)  # calibrated
 
 
+@pytest.mark.slow
 def test_checked_in_int4_trace_buckets_differ_at_the_default_target():
     """With int4 on offer (traces/small-cpu-T2048-int4.json, int4 calibrated
     unit by unit) the default target (cos >= 0.999) binds at 1.10x-gc: the

@@ -81,6 +81,7 @@ def compiled(request, tmp_path_factory):
     return request.param, backend, got, want, cache
 
 
+@pytest.mark.slow
 def test_compiled_step_gradients_are_exact(compiled, request):
     name, backend, got, want, _ = compiled
     if name == "hf-llama" and checkpointed_chunks_miscompiled(torch.__version__, "cpu"):
@@ -91,6 +92,7 @@ def test_compiled_step_gradients_are_exact(compiled, request):
     assert rel_l2(got, want) < 1e-4
 
 
+@pytest.mark.slow
 def test_loss_side_is_planned(compiled):
     name, backend, _, _, _ = compiled
     (graph,) = backend.graphs
@@ -103,6 +105,7 @@ def test_loss_side_is_planned(compiled):
         assert graph.records[0].counts["recompute"] > 0  # below store-all: something is recomputed
 
 
+@pytest.mark.slow
 def test_chunk_logits_are_units_only_without_checkpoint(compiled):
     """Checkpointed chunks are always recomputed, out of the planner's sight.
     Without checkpoint each chunk's logits are a unit of their own, which
@@ -170,6 +173,7 @@ def test_chunked_logprobs_equal_unchunked_without_full_logits(name):
     assert largest_c == CHUNK * vocab
 
 
+@pytest.mark.slow
 def test_older_inductor_miscompiles_checkpointed_chunks():
     """The torch releases ``checkpointed_chunks_miscompiled`` names are the ones whose
     plain Inductor gets a checkpointed chunked step wrong (no hilore involved); on

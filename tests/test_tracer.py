@@ -109,6 +109,7 @@ def test_layers_kinds_and_codecs(tiny_trace):
     assert eval_size(tiny_trace.gc_bytes, 2, 32) < eval_size(tiny_trace.store_bytes, 2, 32)
 
 
+@pytest.mark.slow
 def test_codec_time_is_its_compiled_round_trip_per_row_length():
     """A codec is priced at its Inductor-compiled encode + decode, timed once per
     (codec, dtype, row length) and scaled to each encoded tensor's bytes
@@ -177,6 +178,7 @@ _KEYS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_unit_keys_identical_across_processes_and_shapes(tiny_trace):
     keys = []
     for batch, seq in ((2, 32), (1, 48)):
@@ -250,6 +252,7 @@ def test_graph_breaks_are_traced_and_reported():
     assert result.param_bytes["layer 1"] == (8 * 8 + 8) * 4
 
 
+@pytest.mark.slow
 def test_trace_command_profiles_the_policy_in_the_dtype_asked(tmp_path, capsys):
     """``hilore trace --dtype bfloat16`` measures a bf16 policy: its units are
     bf16, which the bf16 codec cannot shrink, and the notes say how it was made."""

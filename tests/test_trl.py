@@ -131,6 +131,7 @@ def runs(tmp_path_factory):
                 ref_rows=ref_rows, sub_rows=sub_rows)
 
 
+@pytest.mark.slow
 def test_training_forward_goes_through_hilore(runs):
     sub, snap = runs["sub"], runs["snap"]
     assert snap.graphs[0] >= 1, "the training forward compiled no graph with the hilore backend"
@@ -142,6 +143,7 @@ def test_training_forward_goes_through_hilore(runs):
     assert getattr(sub.model, flag) is False
 
 
+@pytest.mark.slow
 def test_no_recompile_after_the_first_step(runs):
     snap = runs["snap"]
     assert len(snap.graphs) == STEPS
@@ -149,6 +151,7 @@ def test_no_recompile_after_the_first_step(runs):
     assert snap.frames[0] >= 1 and snap.frames[1:] == [snap.frames[0]] * (STEPS - 1), f"dynamo graphs: {snap.frames}"
 
 
+@pytest.mark.slow
 def test_one_step_matches_trl_with_exact_plans(runs):
     """codecs=[]: the step's parameters and update equal TRL's own trainer on the same batch."""
     start = dict(runs["start"].named_parameters())
@@ -162,6 +165,7 @@ def test_one_step_matches_trl_with_exact_plans(runs):
     assert ((update_sub - update_ref).norm() / update_ref.norm()).item() < 1e-4
 
 
+@pytest.mark.slow
 def test_three_steps_from_one_seed_follow_trls_trajectory(runs):
     """codecs=[]: TRL's random stream is kept, so each step generates TRL's completions."""
     names = sorted(dict(runs["start"].named_parameters()))
@@ -175,6 +179,7 @@ def test_three_steps_from_one_seed_follow_trls_trajectory(runs):
     assert rel < 1e-6  # half the groups zero: their samples dropped, the update TRL's
 
 
+@pytest.mark.slow
 def test_zero_samples_are_dropped_and_never_run(runs):
     sub, batch = runs["sub"], runs["batch"]
     total = batch["advantages"].numel()
@@ -190,6 +195,7 @@ def test_zero_samples_are_dropped_and_never_run(runs):
     assert sum(z for _, z in runs["ref_rows"]) == STEPS * zero
 
 
+@pytest.mark.slow
 def test_each_microbatch_runs_under_its_bucket_least_exposed_first(runs):
     sub, seen = runs["sub"], runs["seen"]
     names = sub.bucket_history[0].keys()  # ("zero", "b0", ...): the plan's buckets

@@ -21,3 +21,11 @@ def test_progress_lines_fold_at_the_line_width_and_keep_paths_whole():
     assert len(lines) > 1 and all(line.startswith("    ") for line in lines[1:])
     assert all(len(line) <= LINE_WIDTH for line in lines if path not in line)
     assert any(path in line for line in lines)  # never split inside a path
+
+
+def test_a_compile_says_where_its_seconds_went():
+    from hilore_compiler.backend.compiler import compile_breakdown
+
+    line = compile_breakdown(30.0, {"capture": 2.0, "profiling": 5.5, "solving": 0.5}, 2)
+    assert line == ("compiled this graph in 30.0 s: capture 2.0 s, profiling 5.5 s, solving 0.5 s, "
+                    "Inductor 22.0 s (2 variants)")

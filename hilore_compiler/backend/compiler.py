@@ -33,7 +33,7 @@ from .lengths import PlanShapeError
 from .options import BackendOptions
 from .partitioner import PartitionRecord, PlanPartitioner
 from .planning import GraphPlanner
-from .report import HiLoReWarning, fall_back
+from .report import HiLoReWarning, fall_back, say
 from .variants import VariantTable, compile_variant as _compile_variant
 
 
@@ -142,8 +142,18 @@ class HiLoReBackend:
         table.seed(plan, default, compiled_first)
         table.compile_all()
         compiled.compile_seconds = time.perf_counter() - start
+        say(self.options, compile_breakdown(compiled.compile_seconds, planner.seconds, len(compiled.variants)))
         self.graphs.append(compiled)
         return table.dispatcher()
+
+
+def compile_breakdown(total_s: float, phases: Mapping[str, float], variants: int) -> str:
+    """Where one graph's compile went: hilore's phases, and Inductor's share (the rest)."""
+    planned = sum(phases.values())
+    parts = [f"{name} {seconds:.1f} s" for name, seconds in phases.items() if seconds >= 0.05]
+    inductor = max(total_s - planned, 0.0)
+    return (f"compiled this graph in {total_s:.1f} s: " + ", ".join([*parts, f"Inductor {inductor:.1f} s"])
+            + f" ({variants} variant{'s' if variants != 1 else ''})")
 
 
 def _cause(error: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:

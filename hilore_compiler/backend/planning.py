@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 import warnings
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +87,8 @@ class GraphPlanner:
         self.seq_range = (self.seq_len, self.seq_len) if given_static else planned_range(options, self.seq_len)
         self._said_beyond = False
         self._said_kept = False
+        #: Seconds spent per planning phase (``capture``, ``profiling``, ``solving``), for ``verbose``.
+        self.seconds: dict[str, float] = defaultdict(float)
         self._say_beyond(self.seq_len)
         self.plans: tuple[Plan, ...] = ()
         self.trace: Trace | None = None
@@ -260,8 +264,10 @@ class GraphPlanner:
         if make_plan or digest not in self._saved:
             # Roofline costs read shapes alone: nothing runs (``values.meta_values``).
             measured = self.options.cost_model == "measured"
+            start = time.perf_counter()
             capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan and measured,
                                     **kwargs)
+            self.seconds["capture"] += time.perf_counter() - start
             self._saved[digest] = capture.saved_names
             if make_plan:
                 self._make_plan(capture)
@@ -296,8 +302,10 @@ class GraphPlanner:
             self.from_cache = self.trace is not None
             if self.trace is None:
                 # Profiling runs real tensors: Inductor's fake mode must be off.
+                start = time.perf_counter()
                 with unset_fake_temporarily():
                     self.trace = trace_capture(capture, options, self.batch, self.seq_len, name)
+                self.seconds["profiling"] += time.perf_counter() - start
                 if self.trace.units and self.cache:
                     self.cache.save_trace(self.trace)
             if not self.trace.units:
@@ -305,7 +313,9 @@ class GraphPlanner:
                 self.publish()  # the other ranks need not wait for it
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
+            start = time.perf_counter()
             self.plans = solve_lengths(self.trace, self._solving, self.batch, self.seq_range)
+            self.seconds["solving"] += time.perf_counter() - start
         except Exception as error:  # planning never stops training: see fall_back
             self.publish_failure(error)  # the other ranks need not wait: they plan on their own
             if options.strict:

@@ -3,19 +3,22 @@
 A profiling-then-planning compiler pass over torch.compile graphs. Modules in
 pipeline order:
 
-- ``models/``        built-in Llama- and GPT-style policies (random weights).
+- ``models/``        built-in Llama- and GPT-style policies (random weights); ``models/hf_config``:
+  Hugging Face causal LMs from a config alone (``--model hf:...``), LoRA by PEFT.
 - ``passes/capture`` the joint graph Inductor hands its partitioner, and what min-cut saves.
 - ``passes/annotate`` saved activations -> recovery units with stable keys.
 - ``blockclasses``   layers alike up to the layer index (``passes/classes``: found on the
   graph, one layer profiled per class; ``solver/tying``: decided by a few shared patterns).
-- ``passes/profile`` each unit's cost to store, compress or recompute (``passes/costmodel``: rooflines).
+- ``passes/profile`` each unit's cost to store, compress or recompute (``passes/costmodel``: rooflines
+  of the cards in ``devices``).
 - ``passes/tracer``  the above as ``trace()`` -> ``Trace`` (``tracefile``: JSON).
 - ``sizeexpr``       sizes of B and S: a whitelisted grammar, parsed with ast, never eval'd.
 - ``validate``       one pass over a loaded trace or plan before anything plans with it.
 - ``passes/calibration`` measured gradient sensitivity per (unit kind, codec).
 - ``vocabulary``     the shared words: options, bucket names and interval rule, exposure units.
 - ``solver/``        the ILP over exposure buckets (PuLP + CBC) -> ``Plan`` (``planfile``);
-  ``solver/lengths``: plans over a range of sequence lengths.
+  ``solver/lengths``: plans over a range of sequence lengths; ``solver/timeline``: the
+  predicted memory phase by phase; ``solver/devicefit``: peak + training state against a card.
 - ``passes/apply``   tag MUST_SAVE / MUST_RECOMPUTE, insert codec encode/decode;
   ``passes/partition``: apply, then min-cut.
 - ``backend/``       ``torch.compile(model, backend="hilore")``: options, planning (given,

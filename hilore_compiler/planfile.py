@@ -142,6 +142,25 @@ class LengthPoint:
     time_s: Mapping[str, float] = field(default_factory=dict)
 
 
+#: ``MemoryTimeline``'s names of the references every plan is set against.
+TIMELINE_GC = "gc"
+TIMELINE_STORE_ALL = "store-all"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryTimeline:
+    """The step's predicted memory phase by phase (``solver.timeline``), for GC,
+    store-all and each bucket with decisions: what ``hilore show --plot`` draws."""
+
+    #: The phases in the order the step runs them: ``forward of layer <i>``
+    #: (and of ``outside``), ``loss``, ``backward of <segment>``, ``end of backward``.
+    phases: tuple[str, ...]
+    #: Per series (``"gc"``, ``"store-all"``, a bucket's name): the bytes alive
+    #: at each phase's worst moment, above what the process held before the
+    #: step; a bucket's maximum is its ``memory_bytes``, GC's ``gc_bytes``.
+    bytes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A complete plan for one model at one shape (or a range of sequence lengths) and one memory budget."""
@@ -170,6 +189,14 @@ class Plan:
     seq_range: tuple[int, int] | None = None
     #: Predictions at lengths across ``seq_range`` (empty for a one-shape plan).
     lengths: tuple[LengthPoint, ...] = ()
+    #: The predicted memory phase by phase (None: not recorded, in older plans).
+    timeline: MemoryTimeline | None = None
+    #: Bytes of the trained parameters (so of their gradients) and of the
+    #: frozen ones (a LoRA model's base weights), from the trace; None where
+    #: it did not record them. What the process holds besides the step
+    #: (``solver.devicefit``).
+    trained_param_bytes: int | None = None
+    frozen_param_bytes: int | None = None
     #: The trace the plan was solved from, when it was solved in this process
     #: (``solve``); never written to the file. The backend re-solves from it
     #: for a batch or length the plan does not cover.
@@ -227,6 +254,11 @@ class Plan:
             "buckets": [_bucket_json(b) for b in self.buckets],
             "units": [_unit_json(u) for u in self.units],
             **({"lengths": [_length_json(p) for p in self.lengths]} if self.lengths else {}),
+            **({"timeline": {"phases": list(self.timeline.phases),
+                             "bytes": {k: list(v) for k, v in self.timeline.bytes.items()}}}
+               if self.timeline is not None else {}),
+            **({"parameters": {"trained_bytes": self.trained_param_bytes, "frozen_bytes": self.frozen_param_bytes}}
+               if self.trained_param_bytes is not None or self.frozen_param_bytes is not None else {}),
         }
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -4,7 +4,7 @@ Every field is checked for presence and JSON type here, and a wrong one is a
 ``FormatError`` naming it (``plan.buckets[1][b0].predicted.time_s``); what the
 values mean (finite, non-negative, every referenced unit present) is
 ``validate.plan_problems``'s. Fields added after v1 shipped (``mix``,
-``peak_at``, ``lengths``, ``seq_range``) are optional, so older plans still load.
+``peak_at``, ``lengths``, ``seq_range``, ``timeline``, ``parameters``) are optional, so older plans still load.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from .jsonio import FormatError, as_object, read_json, require
-from .planfile import (PEAK_PARTS, PLAN_SCHEMA, BucketPlan, BucketSpec, LengthPoint, OptionCost, Plan, PlanUnit,
-                       SolverStats)
+from .planfile import (PEAK_PARTS, PLAN_SCHEMA, BucketPlan, BucketSpec, LengthPoint, MemoryTimeline, OptionCost, Plan,
+                       PlanUnit, SolverStats)
 from .validate import plan_problems, raise_problems
 from .vocabulary import SKIP, is_option
 
@@ -155,6 +155,34 @@ def _mix_from_json(obj: Any, where: str) -> dict[str, float | None]:
     return out
 
 
+def _timeline_from_json(obj: Any, where: str) -> MemoryTimeline | None:
+    """The optional ``timeline`` (older plans have none)."""
+    if obj is None:
+        return None
+    obj = as_object(obj, where)
+    phases = require(obj, "phases", list, where)
+    series = {}
+    for name, values in require(obj, "bytes", dict, where).items():
+        if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise FormatError(f"{where}.bytes.{name}: expected a list of integers (bytes per phase)")
+        series[name] = tuple(values)
+    return MemoryTimeline(phases=tuple(phases), bytes=series)
+
+
+def _parameters_from_json(obj: Any, where: str) -> dict[str, int | None]:
+    """The optional ``parameters`` record: trained and frozen parameter bytes."""
+    if obj is None:
+        return {}
+    obj = as_object(obj, where)
+    out = {}
+    for name in ("trained_bytes", "frozen_bytes"):
+        value = obj.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise FormatError(f"{where}.{name}: expected an integer or null")
+        out[name.replace("_bytes", "_param_bytes")] = value
+    return out
+
+
 def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
     """Build and validate a Plan from parsed JSON; a FormatError names the wrong field.
 
@@ -195,6 +223,8 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
         seq_range=_seq_range_from_json(shape, f"{where}.shape"),
         lengths=tuple(_length_from_json(p, f"{where}.lengths[{i}]")
                       for i, p in enumerate(payload.get("lengths") or [])),
+        timeline=_timeline_from_json(payload.get("timeline"), f"{where}.timeline"),
+        **_parameters_from_json(payload.get("parameters"), f"{where}.parameters"),
     )
     raise_problems(plan_problems(plan, where))
     return plan

@@ -126,6 +126,10 @@ class Trace:
     #: first layer and gave every member its costs. Empty in traces that
     #: predate it (the solver finds classes from the units all the same).
     block_classes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Bytes of the model's frozen parameters (a LoRA model's base weights):
+    #: held through the step but never given a gradient or optimizer state.
+    #: None where not recorded (older traces, graphs traced without their model).
+    frozen_param_bytes: int | None = None
 
     def unit(self, key: str) -> RecoveryUnit:
         for u in self.units:
@@ -226,6 +230,7 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         partial_grad_bytes=optional(payload, "partial_grad_bytes", dict, where, {}),
         block_classes={name: tuple(layers) if isinstance(layers, list) else layers
                        for name, layers in optional(payload, "block_classes", dict, where, {}).items()},
+        frozen_param_bytes=optional(payload, "frozen_param_bytes", (int, type(None)), where, None),
     )
     raise_problems(trace_problems(trace, where))
     return trace

@@ -127,6 +127,8 @@ def trace_problems(trace: Any, where: str) -> list[str]:
         problems += _trace_unit(u, f"{where}.units[{i}][{u.key}]", trace.batch, trace.seq_len, keys)
     for field in ("gc_bytes", "store_bytes", "output_bytes"):
         problems += _size(getattr(trace, field), f"{where}.{field}", trace.batch, trace.seq_len)[0]
+    if getattr(trace, "frozen_param_bytes", None) is not None:  # None: not recorded
+        problems += _number(trace.frozen_param_bytes, f"{where}.frozen_param_bytes", integer=True)
     for name in ("param_bytes", "partial_grad_bytes"):
         for segment, value in getattr(trace, name).items():
             if not _SEGMENT.match(str(segment)):
@@ -224,4 +226,29 @@ def plan_problems(plan: Any, where: str) -> list[str]:
     for i, b in enumerate(plan.buckets):
         at = f"{where}.buckets[{i}][{b.bucket.name}]"
         problems += _plan_bucket(b, at) + _decisions(b, options, at)
+    for name in ("trained_param_bytes", "frozen_param_bytes"):  # None: not recorded
+        if getattr(plan, name, None) is not None:
+            problems += _number(getattr(plan, name), f"{where}.parameters.{name.replace('_param', '')}",
+                                integer=True)
+    return problems + _timeline(plan, f"{where}.timeline")
+
+
+def _timeline(plan: Any, at: str) -> list[str]:
+    """A plan's ``timeline``, if it has one: a value per phase in every series, and
+    each series' maximum the peak the plan predicts for it (``solver.timeline``)."""
+    from .planfile import TIMELINE_GC, TIMELINE_STORE_ALL
+
+    timeline = getattr(plan, "timeline", None)
+    if timeline is None:
+        return []
+    problems = _strings(timeline.phases, f"{at}.phases")
+    peaks = {TIMELINE_GC: plan.gc_bytes, TIMELINE_STORE_ALL: plan.store_bytes,
+             **{b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip}}
+    for name, values in timeline.bytes.items():
+        if name not in peaks:
+            problems.append(f"{at}.bytes: {name!r} is not gc, store-all or a bucket with decisions")
+        elif len(values) != len(timeline.phases):
+            problems.append(f"{at}.bytes.{name}: {len(values)} values for {len(timeline.phases)} phases")
+        elif values and max(values) != peaks[name]:
+            problems.append(f"{at}.bytes.{name}: peaks at {max(values)} bytes, not the predicted {peaks[name]}")
     return problems

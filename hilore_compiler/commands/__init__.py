@@ -1,5 +1,8 @@
 """One module per ``hilore`` subcommand: ``add_parser(subparsers)`` sets ``run``.
 
+Helpers beside them: ``policy`` (``--model``, a built-in name or ``hf:CONFIG``,
+for trace and calibrate) and ``memplot`` (``show --plot``'s drawing).
+
 ``cli`` imports only the chosen subcommand's module, and ``plan`` and ``show``
 import no torch (tests/test_cli_startup.py checks both), so that they start in
 a fraction of a second.
@@ -9,7 +12,7 @@ a fraction of a second.
 #: them without importing any command module (``cli.build_parser``).
 SUMMARIES = {
     "demo": "trace, plan, compile and run one GRPO update on a built-in model",
-    "trace": "profile a built-in model into a trace JSON (recovery units and their costs)",
+    "trace": "profile a built-in model or an hf: config into a trace JSON (recovery units and their costs)",
     "calibrate": "measure gradient sensitivity per (unit kind or unit, codec) into a trace",
     "plan": "trace JSON -> plan JSON (store / compress / recompute per bucket)",
     "show": "a plan or trace as readable tables and a summary",

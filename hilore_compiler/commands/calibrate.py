@@ -1,4 +1,7 @@
-"""``hilore calibrate --model small -o TRACE.json``: measured sensitivity per (unit kind, codec)."""
+"""``hilore calibrate --model small -o TRACE.json``: measured sensitivity per (unit kind, codec).
+
+``--model`` takes a built-in name or ``hf:CONFIG`` with its options (``commands.policy``).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +12,15 @@ from . import SUMMARIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..models import DTYPES, model_names
+    from ..models import DTYPES
+    from .policy import add_model_arguments
 
     p = subparsers.add_parser(
         "calibrate", help=SUMMARIES["calibrate"],
         description="Compress one unit of each kind at a time and compare the gradient with the "
                     "exact one; the solver then bounds measured gradient error instead of a proxy.",
     )
-    p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
+    add_model_arguments(p)
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="parameter dtype of the policy; the trace's (hilore trace --dtype) (default float32)")
     p.add_argument("--trace", default=None, help="trace to calibrate (default: trace the model first)")
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..passes.calibration import CalibrationConfig, calibrate
-    from ..models import build_model
+    from .policy import build_policy
     from ..jsonio import check_output_path, save_or_fallback
     from ..tracefile import load_trace
     from ..passes.tracer import TraceConfig, trace
@@ -48,22 +52,23 @@ def run(args: argparse.Namespace) -> int:
     if args.microbatches < 1:
         raise ValueError(f"--microbatches must be >= 1, got {args.microbatches}")
     check_output_path(args.output, inputs=[args.trace] if args.trace else [])
-    model = build_model(args.model, seed=args.seed, dtype=getattr(torch, args.dtype))
+    policy = build_policy(args, device="cpu", dtype=getattr(torch, args.dtype))
+    model = policy.module
     source = load_trace(args.trace) if args.trace else None
     traced = source and _policy_dtype(source)
     if traced and traced != args.dtype:
         raise ValueError(f"{args.trace} was traced from a {traced} policy and --dtype is {args.dtype}: its "
                          f"units are not this policy's graph; pass --dtype {traced}")
     batch, seq_len = (source.batch, source.seq_len) if source else (args.batch, args.seq_len)
-    ids = example_batch(model, batch, seq_len, args.seed, "cpu")
+    ids = example_batch(model, batch, seq_len, args.seed, "cpu", vocab=policy.vocab_size)
     loss = grpo_trace_loss(ids, args.seed)
     if source is None:
-        source = trace(model, [ids], loss, config=TraceConfig(model_name=args.model))
+        source = trace(model, [ids], loss, config=TraceConfig(model_name=policy.name, notes=policy.notes))
     exposure = float(trace_advantages(batch, args.seed).abs().mean())
     codecs = comma_list(args.codecs) if args.codecs else None
     more = []
     for k in range(1, args.microbatches):  # further microbatches: their own tokens and advantages
-        other = example_batch(model, batch, seq_len, args.seed + k, "cpu")
+        other = example_batch(model, batch, seq_len, args.seed + k, "cpu", vocab=policy.vocab_size)
         more.append(([other], grpo_trace_loss(other, args.seed + k)))
     calibrated = calibrate(model, [ids], loss, source, exposure=exposure, more=more,
                            config=CalibrationConfig(codecs=codecs, per_unit=args.per_unit))

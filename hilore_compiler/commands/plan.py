@@ -10,6 +10,7 @@ from ..jsonio import check_output_path, save_or_fallback
 from ..planfile import Plan
 from ..solver import DEFAULT_BUDGET, DEFAULT_NUM_BUCKETS, DEFAULT_RISK_BUDGET, SolverOptions, solve
 from ..solver.budget import ACCEPTED_FORMS, format_bytes, format_seconds
+from ..solver.devicefit import fit_lines
 from ..solver.risk import format_error
 from ..vocabulary import DEFAULT_CODECS
 from ..solver.lengths import solve_length_buckets
@@ -102,6 +103,7 @@ def summary_lines(plan: Plan) -> list[str]:
                      f"{gc}, recovery {format_seconds(b.time_s)}, {format_error(b.risk, cosine=False)}")
     if len(solved) > 1 and len({b.decisions for b in solved}) == 1:
         lines.append(f"  {', '.join(b.bucket.name for b in solved)} run the same plan (one compiled variant)")
+    lines += fit_lines(plan)
     total = sum(b.risk for b in solved)
     lines.append(f"  whole update: {format_error(total)}; budget {format_error(plan.risk_budget)}")
     if any(b.proxy_sensitivity for b in solved):

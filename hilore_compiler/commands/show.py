@@ -3,6 +3,8 @@
 A plan: its buckets, then for each distinct plan among them, per layer and per
 kind, the options chosen with bytes before (stored) and after (kept) and the
 recovery time, then totals against gradient checkpointing (GC) and store-all.
+With ``--plot``, the plan's predicted memory over the step as a PNG
+(``memplot``); for a roofline plan, whether each bucket fits the card.
 A trace: its recovery units summed per kind (``--units``: one row per unit,
 wider), and with ``--curve`` or ``--png`` the memory-time Pareto curve over a
 range of budgets, solved here (seconds of CBC per budget, hence opt-in).
@@ -32,6 +34,7 @@ from ..planfile import (
 from ..planload import plan_from_json
 from ..solver import ParetoCurve, SolverOptions, pareto_curve
 from ..solver.budget import format_bytes, format_seconds
+from ..solver.devicefit import fit_lines
 from ..solver.memory import cost_model
 from ..solver.pareto import DEFAULT_POINTS
 from ..solver.risk import format_error
@@ -53,6 +56,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--curve", action="store_true",
                    help="trace only: solve and print the memory-time Pareto curve (seconds per budget)")
     p.add_argument("--png", default=None, help="trace only: also draw the Pareto curve to this PNG")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="plan only: draw the predicted memory over the step (forward, loss, backward, layer "
+                        "by layer) for each distinct bucket plan, GC and store-all, with the budget and the "
+                        "card's memory, to this PNG")
     p.add_argument("--points", type=int, default=DEFAULT_POINTS, help="budgets on a trace's Pareto curve")
     p.add_argument("--time-limit", type=float, default=CURVE_TIME_LIMIT_S,
                    help="seconds CBC may spend per budget on the curve")
@@ -161,6 +168,7 @@ def render_plan(plan: Plan) -> str:
         f"budget {plan.budget} = {format_bytes(plan.budget_bytes)}; GC {format_bytes(plan.gc_bytes)}; "
         f"store-all {format_bytes(plan.store_bytes)}",
         f"error budget: {format_error(plan.risk_budget)} of the whole update's gradient",
+        *fit_lines(plan, COLUMNS),
         *_notes(plan.notes),
     ]
     bucket_rows = []
@@ -301,14 +309,22 @@ def draw_curve(curve: ParetoCurve, trace: Trace, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.png:
-        check_output_path(args.png, inputs=[args.path])
+    for output in (args.png, args.plot):
+        if output:
+            check_output_path(output, inputs=[args.path])
     loaded = load_any(args.path)
     if isinstance(loaded, Plan):
         if args.png or args.curve or args.units:
             raise ValueError("--png, --curve and --units are for a trace; this file is a plan")
         print(render_plan(loaded))
+        if args.plot:
+            from .memplot import draw_memory
+
+            draw_memory(loaded, args.plot)
+            print(f"wrote {args.plot}")
         return 0
+    if args.plot:
+        raise ValueError("--plot is for a plan; this file is a trace (--png draws its Pareto curve)")
     curve = None
     if args.curve or args.png:
         curve = pareto_curve(loaded, points=args.points, codecs=curve_codecs(loaded),

@@ -1,21 +1,25 @@
-"""``hilore trace --model small --batch B --seq-len S -o TRACE.json``: profile a built-in model."""
+"""``hilore trace --model small --batch B --seq-len S -o TRACE.json``: profile a built-in model
+or a Hugging Face config (``--model hf:PATH``, ``commands.policy``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..jsonio import check_output_path, save_or_fallback
-from ..passes.costmodel import DEVICES
+from ..devices import DEVICES, GiB, device_spec
+from ..models.hf_config import DEFAULT_LORA_TARGETS
 from ..vocabulary import DEFAULT_CODECS
 from . import SUMMARIES
+from .policy import add_model_arguments, build_policy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..models import DTYPES, model_names
+    from ..models import DTYPES
 
     p = subparsers.add_parser(
         "trace", help=SUMMARIES["trace"],
@@ -23,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "actor update, group the saved activations into recovery units and measure "
                     "what each costs to store, compress or recompute.",
     )
-    p.add_argument("--model", default="small", choices=model_names(), help="built-in model (default small)")
+    add_model_arguments(p)
     p.add_argument("--batch", type=int, default=2,
                    help="sequences per microbatch (default 2; a batch of 1 is traced at 2 so that "
                         "sizes keep the batch symbol B)")
@@ -47,26 +51,30 @@ def trace_advantages(batch: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, 1, generator=torch.Generator().manual_seed(seed))
 
 
-def grpo_trace_loss(input_ids: torch.Tensor, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def grpo_trace_loss(input_ids: torch.Tensor, seed: int) -> Callable[[Any], torch.Tensor]:
     """A GRPO-shaped loss for tracing: advantage-weighted token log-probs.
 
     The saved activations do not depend on the loss (it runs outside the
     compiled graph); this keeps the traced step the same as an actor update.
-    A sample's exposure in plan units is its |advantage|.
+    A sample's exposure in plan units is its |advantage|. It takes the
+    logits, or a Hugging Face model's output, whose ``.logits`` it reads.
     """
     from ..models import token_logprobs
 
     advantages = trace_advantages(input_ids.shape[0], seed).to(input_ids.device)
 
-    def loss(logits: torch.Tensor) -> torch.Tensor:
+    def loss(out: Any) -> torch.Tensor:
+        logits = getattr(out, "logits", out)  # (B, T, V)
         return -(token_logprobs(logits, input_ids) * advantages).mean()
 
     return loss
 
 
-def example_batch(model: torch.nn.Module, batch: int, seq_len: int, seed: int, device) -> torch.Tensor:
-    """Random token ids in the model's vocabulary (no data sets are downloaded)."""
-    vocab = model.config.vocab_size
+def example_batch(model: torch.nn.Module, batch: int, seq_len: int, seed: int, device,
+                  vocab: int | None = None) -> torch.Tensor:
+    """Random token ids in the model's vocabulary (``vocab``, default its config's; no data sets
+    are downloaded)."""
+    vocab = model.config.vocab_size if vocab is None else vocab
     if torch.device(device).type == "meta":
         return torch.empty(batch, seq_len, dtype=torch.long, device="meta")
     generator = torch.Generator().manual_seed(seed)
@@ -74,23 +82,46 @@ def example_batch(model: torch.nn.Module, batch: int, seq_len: int, seed: int, d
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models import build_model
     from ..passes.tracer import TraceConfig, trace
 
     check_output_path(args.output)  # before minutes of profiling, not after
     roofline = args.cost_model != "measured"
+    if roofline:
+        device_spec(args.cost_model)  # an unknown device fails before the model is built
     device = "meta" if roofline else "cpu"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if roofline else None)
-    model = build_model(args.model, device=device, dtype=dtype, seed=args.seed)
-    ids = example_batch(model, args.batch, args.seq_len, args.seed, device)
-    notes = (f"hilore trace --model {args.model} --batch {args.batch} --seq-len {args.seq_len} "
-             f"--cost-model {args.cost_model}" + (f" --dtype {args.dtype}" if args.dtype else ""),)
+    policy = build_policy(args, device=device, dtype=dtype)
+    ids = example_batch(policy.module, args.batch, args.seq_len, args.seed, device, vocab=policy.vocab_size)
+    notes = (command_line(args), *policy.notes)
     if roofline:
         notes += ("meta device: codec errors measured on synthetic N(0,1) rows of each unit's width",)
+    if policy.notes:  # what the costs are for, said once beside what was built
+        notes += (f"costs: {_costs_for(args.cost_model)}; parameters "
+                  f"{args.dtype or ('bfloat16' if roofline else 'float32')}",)
     config = TraceConfig(cost_model=args.cost_model, codecs=tuple(c for c in args.codecs.split(",") if c),
-                         repeats=args.repeats, model_name=args.model, notes=notes)
-    result = trace(model, [ids], grpo_trace_loss(ids, args.seed), config=config)
+                         repeats=args.repeats, model_name=policy.name, notes=notes)
+    result = trace(policy.module, [ids], grpo_trace_loss(ids, args.seed), config=config)
     path = save_or_fallback(result.save, args.output, "trace")
     print(f"wrote {path}: {len(result.units)} recovery units over {result.num_layers} layers, "
           f"fingerprint {result.fingerprint}", file=sys.stderr)
     return 0
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``hilore trace`` command that made a trace, for its notes."""
+    line = (f"hilore trace --model {args.model} --batch {args.batch} --seq-len {args.seq_len} "
+            f"--cost-model {args.cost_model}" + (f" --dtype {args.dtype}" if args.dtype else ""))
+    for flag, value in (("--layers", args.layers), ("--lora", args.lora), ("--lora-alpha", args.lora_alpha)):
+        if value is not None:
+            line += f" {flag} {value:g}"
+    if args.lora is not None and tuple(args.lora_targets) != DEFAULT_LORA_TARGETS:
+        line += f" --lora-targets {','.join(args.lora_targets)}"
+    return line
+
+
+def _costs_for(cost_model: str) -> str:
+    """The cost model in words: measured here, or the card a roofline is for."""
+    if cost_model == "measured":
+        return "measured on this machine's CPU"
+    spec = device_spec(cost_model)
+    return f"roofline of {spec.label} ({spec.memory_bytes // GiB} GiB; {cost_model})"

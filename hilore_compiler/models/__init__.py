@@ -4,6 +4,8 @@ Modules:
     llama     Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)
     gpt       GPT-2 style decoder (LayerNorm, learned positions, GELU, tied embeddings)
     logprobs  per-token log-probabilities with the standard causal shift
+    hf        tiny Hugging Face causal LMs for tests and examples
+    hf_config Hugging Face causal LMs from a config alone (``--model hf:...``), LoRA by PEFT
 
 Every model maps ``input_ids (B, T)`` to ``logits (B, T, V)``, keeps its
 config in ``.config`` and names its layer stack ``layers`` (an

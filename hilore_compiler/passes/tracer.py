@@ -201,9 +201,16 @@ def trace(
     say(f"captured {len(captures)} graph(s) in {time.perf_counter() - start:.1f}s")
     shape = tuple(_first_tensor(example_inputs, example_kwargs).shape)
     batch, seq_len = (shape + (1, 1))[:2]
-    result = trace_captures(captures, int(batch), int(seq_len), config)
+    result = dataclasses.replace(trace_captures(captures, int(batch), int(seq_len), config),
+                                 frozen_param_bytes=frozen_parameter_bytes(model))
     say(f"{len(result.units)} recovery units, done in {time.perf_counter() - start:.1f}s")
     return result
+
+
+def frozen_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters that train nothing (``requires_grad`` off: a LoRA
+    model's base weights); a tied weight counts once, as ``parameters()`` yields it once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
 
 
 def _first_tensor(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None) -> torch.Tensor | None:

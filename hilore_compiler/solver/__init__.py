@@ -15,6 +15,8 @@ a plan is made:
 - ``planner``: ``solve`` ties them together and verifies every answer.
 - ``assembly``: decisions into a plan's records (bucket shares, each bucket's
                re-simulated predictions, the unit table), for solved and fixed plans alike.
+- ``timeline``: the predicted memory phase by phase, as plans record it (``show --plot``).
+- ``devicefit``: a plan's peak plus the training state against its card's memory.
 - ``lengths``: plans that hold over a range of sequence lengths, and length buckets.
 - ``fixed``:   plans with given decisions (baselines, controls), checked the
                same way; the one uniform-plan builder.

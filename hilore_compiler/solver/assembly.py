@@ -12,12 +12,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..planfile import PEAK_PARTS, BucketPlan, BucketSpec, OptionCost, Plan, PlanUnit, SolverStats
+from ..tracefile import Trace
 from ..vocabulary import COMPRESS_PREFIX, RECOMPUTE, STORE
 from .budget import format_bytes, format_seconds
 from .memory import CostModel, simulate
 from .mix import bucket_shares, default_exposure_mix, load_exposure_mix
+from .timeline import memory_timeline
 from .risk import PROXY_FACTOR, PROXY_LAYERS, BucketShare, bucket_specs, format_error, plan_risk, zero_bucket
 
 
@@ -79,6 +82,16 @@ def plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
             OptionCost(option=o, bytes=u.kept_bytes(o), time_s=u.time_s(o)) for o in u.options))
         for u in model.units
     )
+
+
+def memory_records(trace: Trace, model: CostModel, plans: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
+    """A plan's memory beyond its buckets' peaks, as ``Plan`` fields: the timeline
+    (``timeline.py``) of ``plans`` (``{bucket: decisions}``) with GC's and
+    store-all's, and the trace's trained and frozen parameter bytes (None where
+    the trace did not record them), which ``devicefit`` adds to the peaks."""
+    return {"timeline": memory_timeline(trace, model, plans),
+            "trained_param_bytes": sum(trace.param_bytes.values()) if trace.param_bytes else None,
+            "frozen_param_bytes": trace.frozen_param_bytes}
 
 
 def bucket_summary(b: BucketPlan) -> str:

@@ -18,7 +18,7 @@ from ..tracefile import Trace
 from ..vocabulary import STORE, compress
 from .memory import UnitCost, rule_violations
 from .mix import zero_share
-from .assembly import bucket_plan, mix_exposures, plan_units, planned_shares, skip_bucket
+from .assembly import bucket_plan, memory_records, mix_exposures, plan_units, planned_shares, skip_bucket
 from .planner import prepare
 from .risk import DEFAULT_NUM_BUCKETS, bucket_specs
 
@@ -47,7 +47,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
                            accumulate_gradients=accumulate_gradients)
     exposures = mix_exposures(exposure_mix)
     shares = planned_shares(buckets, exposures, gradient_exposures)
-    plans = []
+    plans, given = [], {}
     for share in shares:
         if callable(decide):
             decisions = {u.key: decide(u) for u in model.units}
@@ -56,6 +56,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
         problems = rule_violations(model, decisions)
         if problems:
             raise ValueError(f"{label} plan breaks the rules: " + "; ".join(problems[:3]))
+        given[share.spec.name] = decisions
         plans.append(bucket_plan(model, share, decisions, solver=None,
                                  notes=(f"{label}: decisions given, not solved",)))
     budget_bytes = max(p.memory_bytes for p in plans)
@@ -65,7 +66,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
         store_bytes=model.store_bytes, risk_budget=sum(p.risk for p in plans),
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
         buckets=(skip_bucket(zero_share(exposures)), *plans), units=plan_units(model),
-        notes=(f"{label} plan",),
+        notes=(f"{label} plan",), **memory_records(trace, model, given),
     )
 
 

@@ -204,7 +204,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
         ))
     units = tuple(units)
     segments = by_segment(units)
-    gc_kept, gc_rebuilt, layer_inputs = _gc_parts(segments, size_at(trace.gc_bytes, batch, seq_len))
+    gc_kept, gc_rebuilt, layer_inputs = gc_parts(segments, size_at(trace.gc_bytes, batch, seq_len))
     # The gradient flowing between layers has a layer input's size, and GC
     # keeps one layer input per layer.
     flowing = layer_inputs // max(1, len(gc_rebuilt))
@@ -218,7 +218,7 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
     )
 
 
-def _gc_parts(segments: Mapping[str, Sequence[UnitCost]],
+def gc_parts(segments: Mapping[str, Sequence[UnitCost]],
               gc_activations: int) -> tuple[int, dict[str, tuple[int, int]], int]:
     """(bytes GC keeps, per layer: (bytes GC rebuilds there, its largest workspace), layer inputs' bytes).
 
@@ -260,19 +260,30 @@ def peak_parts(model: CostModel, decisions: Mapping[str, str]) -> PeakParts:
     kept = kept_by_segment(model, decisions)
     worst = max(model.step.phases(kept), key=lambda p: p.total)
     for segment in model.segments:
-        rebuilt = [i for i, u in enumerate(segment.units) if decisions[u.key] != STORE]
-        if not rebuilt and all(decisions[u.key] == STORE for u, _, _ in segment.carried):
-            continue
-        first = rebuilt_from(segment, decisions)
-        workspace = max((u.recompute_transient for u in segment.units if decisions[u.key] == RECOMPUTE),
-                        default=0)
-        freed = model.step.freed(segment.name, kept)
-        for cut in segment.peak_cuts:
-            alive = (sum(segment.units[i].bytes for i in rebuilt if i < cut <= first[i])
-                     + sum(u.bytes for u in segment.carried_at(cut) if decisions[u.key] != STORE))
-            parts = model.step.segment(segment.name, rebuilt=alive, workspace=workspace, freed=freed)
-            if parts.total > worst.total:
-                worst = parts
+        parts = rebuilt_peak(model, segment, decisions, kept)
+        if parts is not None and parts.total > worst.total:
+            worst = parts
+    return worst
+
+
+def rebuilt_peak(model: CostModel, segment: Segment, decisions: Mapping[str, str],
+                 kept: Mapping[str, int]) -> PeakParts | None:
+    """The worst cut of ``segment``'s backward with the units ``decisions`` rebuild
+    there alive (the first such cut on a tie), or None when it rebuilds nothing;
+    ``kept``: the plan's kept bytes per segment (``kept_by_segment``)."""
+    rebuilt = [i for i, u in enumerate(segment.units) if decisions[u.key] != STORE]
+    if not rebuilt and all(decisions[u.key] == STORE for u, _, _ in segment.carried):
+        return None
+    first = rebuilt_from(segment, decisions)
+    workspace = max((u.recompute_transient for u in segment.units if decisions[u.key] == RECOMPUTE), default=0)
+    freed = model.step.freed(segment.name, kept)
+    worst = None
+    for cut in segment.peak_cuts:
+        alive = (sum(segment.units[i].bytes for i in rebuilt if i < cut <= first[i])
+                 + sum(u.bytes for u in segment.carried_at(cut) if decisions[u.key] != STORE))
+        parts = model.step.segment(segment.name, rebuilt=alive, workspace=workspace, freed=freed)
+        if worst is None or parts.total > worst.total:
+            worst = parts
     return worst
 
 

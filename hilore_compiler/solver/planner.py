@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from ..planfile import BucketSpec, Plan, SolverStats
 from ..tracefile import Trace
 from ..vocabulary import check_codecs
-from .assembly import bucket_plan, bucket_summary, mix_exposures, plan_units, planned_shares, skip_bucket
+from .assembly import (bucket_plan, bucket_summary, memory_records, mix_exposures, plan_units, planned_shares,
+                       skip_bucket)
 from .budget import Budget, format_bytes, format_seconds, parse_budget
 from .cbc import SolverOptions, check_cbc, reporting
 from .limits import Deadline, PlanningLimits, check_units, load_bounded
@@ -370,6 +371,6 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
         store_bytes=model.store_bytes, risk_budget=error2,
         codecs=tuple(sorted({c for u in model.units for c in u.codecs})), cost_source=trace.cost_source,
         buckets=(skip_bucket(zero_share(exposures)), *solved), units=plan_units(model), notes=tuple(notes),
-        trace=trace,
+        trace=trace, **memory_records(trace, model, {s.spec.name: plans[s.spec.name] for s in shares}),
     )
 

@@ -178,7 +178,7 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
 def gc_worst(rebuilt: Mapping[str, tuple[int, int]], step: StepTerms, kept: Mapping[str, int]) -> int:
     """What GC's step holds at its worst moment besides its kept bytes (``kept``
     per segment): the loss, the end of backward, or a layer's backward with
-    that layer rebuilt (``rebuilt``: ``_gc_parts``).
+    that layer rebuilt (``rebuilt``: ``memory.gc_parts``).
 
     The whole layer is alive at once: GC recomputes every unit of it, so each
     is rebuilt with its recomputed readers, back to the layer's first cut

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..progress import tell
 from ..vocabulary import DEFAULT_CODECS, ZERO_BUCKET
 from . import SUMMARIES
 
@@ -59,7 +60,7 @@ class _Progress:
         self.start = time.perf_counter()
 
     def __call__(self, message: str) -> None:
-        print(f"[demo {time.perf_counter() - self.start:4.0f}s] {message}", file=sys.stderr, flush=True)
+        tell(f"[demo {time.perf_counter() - self.start:4.0f}s] {message}")
 
 
 def demo_rollout(vocab: int, batch: int, seq_len: int, group_size: int, seed: int) -> RolloutBatch:

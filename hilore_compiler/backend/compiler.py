@@ -93,8 +93,9 @@ class HiLoReBackend:
         except (PlanMismatchError, FormatError):
             raise  # a plan the user gave that does not fit: their input, their error
         except Exception as error:  # planning never stops training: see fall_back
-            if _is_model_untraceable(error):
-                _say_untraceable(error, gm)
+            cause = _untraceable_cause(error)
+            if cause is not None:
+                _say_untraceable(cause, gm)
                 raise  # as for plain Inductor: dynamo breaks the graph there and runs that part eagerly
             if self.options.strict or _is_dynamo_control_flow(error):
                 raise
@@ -171,14 +172,14 @@ def _is_dynamo_control_flow(error: Exception) -> bool:
     return isinstance(error, (exc.RestartAnalysis, exc.SkipFrame))
 
 
-def _is_model_untraceable(error: BaseException) -> bool:
-    """Whether ``error`` (or its cause) is one no backend gets past: the model's own code
-    reads tensor values (``.item()``, ``.tolist()``) or makes shapes from them, so
+def _untraceable_cause(error: BaseException) -> BaseException | None:
+    """The error in ``error``'s chain that no backend gets past, or None: the model's own
+    code reads tensor values (``.item()``, ``.tolist()``) or makes shapes from them, so
     AOTAutograd cannot trace the graph, with hilore's partitioner or Inductor's."""
     from torch._dynamo import exc
 
     kinds = getattr(exc, "exceptions_allowed_to_be_fallback", ())
-    return bool(kinds) and _cause(error, kinds) is not None
+    return _cause(error, kinds) if kinds else None
 
 
 #: Ops whose output depends on tensor values (and grouped matmuls, whose backward in
@@ -190,11 +191,9 @@ _DATA_DEPENDENT_OPS = frozenset({"item", "tolist", "nonzero", "_local_scalar_den
 _SAID_UNTRACEABLE: set[str] = set()
 
 
-def _say_untraceable(error: BaseException, gm: fx.GraphModule) -> None:
-    """Warn once per cause that the model's own code, not planning, keeps this graph from compiling."""
-    from torch._dynamo import exc
-
-    cause = _cause(error, getattr(exc, "exceptions_allowed_to_be_fallback", ())) or error
+def _say_untraceable(cause: BaseException, gm: fx.GraphModule) -> None:
+    """Warn once per cause (``_untraceable_cause``) that the model's own code, not planning,
+    keeps this graph from compiling."""
     what = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     if what in _SAID_UNTRACEABLE:
         return

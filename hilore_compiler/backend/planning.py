@@ -13,12 +13,13 @@ the next process starts from the plan (``PlanCache``). A given plan is matched t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -238,6 +239,15 @@ class GraphPlanner:
                       "options={'trace': TRACE}, the Trace or its JSON file, to re-solve it)",
                       HiLoReWarning, stacklevel=4)
 
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Add the block's wall time to ``seconds[phase]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
     def keep_plans(self, batch: int, seq_len: int) -> None:
         """Let the plans stand for this shape too, so that later calls stop asking to re-solve."""
         lo, hi = self.seq_range
@@ -264,10 +274,9 @@ class GraphPlanner:
         if make_plan or digest not in self._saved:
             # Roofline costs read shapes alone: nothing runs (``values.meta_values``).
             measured = self.options.cost_model == "measured"
-            start = time.perf_counter()
-            capture = capture_joint(joint, joint_inputs, self.real_args, record_values=make_plan and measured,
-                                    **kwargs)
-            self.seconds["capture"] += time.perf_counter() - start
+            with self._timed("capture"):
+                capture = capture_joint(joint, joint_inputs, self.real_args,
+                                        record_values=make_plan and measured, **kwargs)
             self._saved[digest] = capture.saved_names
             if make_plan:
                 self._make_plan(capture)
@@ -302,10 +311,8 @@ class GraphPlanner:
             self.from_cache = self.trace is not None
             if self.trace is None:
                 # Profiling runs real tensors: Inductor's fake mode must be off.
-                start = time.perf_counter()
-                with unset_fake_temporarily():
+                with self._timed("profiling"), unset_fake_temporarily():
                     self.trace = trace_capture(capture, options, self.batch, self.seq_len, name)
-                self.seconds["profiling"] += time.perf_counter() - start
                 if self.trace.units and self.cache:
                     self.cache.save_trace(self.trace)
             if not self.trace.units:
@@ -313,9 +320,8 @@ class GraphPlanner:
                 self.publish()  # the other ranks need not wait for it
                 say(options, "the graph's backward saves nothing: nothing to plan")
                 return
-            start = time.perf_counter()
-            self.plans = solve_lengths(self.trace, self._solving, self.batch, self.seq_range)
-            self.seconds["solving"] += time.perf_counter() - start
+            with self._timed("solving"):
+                self.plans = solve_lengths(self.trace, self._solving, self.batch, self.seq_range)
         except Exception as error:  # planning never stops training: see fall_back
             self.publish_failure(error)  # the other ranks need not wait: they plan on their own
             if options.strict:

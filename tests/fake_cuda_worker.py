@@ -5,8 +5,11 @@ guard before torch (``hilore_compiler.fakecuda``), then for each model makes
 plans from three traces (a measured CPU trace, a roofline trace on the meta
 device, a roofline trace of the fake-CUDA graph), applies each strictly to
 the fake-CUDA graph, and plans that graph zero-config with
-``cost_model="roofline:h100"``. Compiles stop after Inductor's partitioner.
-It writes what each compile did as JSON; the tests read it.
+``cost_model="roofline:h100"``. The ``CLI_MODELS`` (a Qwen2 from a config
+file, with PEFT LoRA and without) are planned by the command line instead
+(``hilore trace --model hf:CONFIG.json --cost-model roofline:h100``, then
+``hilore plan``) and compiled with its plan file. Compiles stop after
+Inductor's partitioner. It writes what each compile did as JSON; the tests read it.
 
 ``--real-cuda OUT.json`` (``bench/gpu_session.sh``, on a GPU) checks the
 stand-ins instead: each model's unit keys and attention kernel on real CUDA
@@ -15,7 +18,9 @@ against those of its meta trace, lowered by ``passes.gpu_lowering``.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,12 +61,39 @@ def hf_llama(dropout: float) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
 
 
+#: A tiny Qwen2 config, as ``--model hf:CONFIG.json`` takes it.
+QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64}
+#: Models the command line plans (``hilore trace`` on meta, roofline:h100, then ``hilore plan``):
+#: their LoRA rank (None: full fine-tuning).
+CLI_MODELS = {"hf-qwen2-lora": 4, "hf-qwen2": None}
+
+
+@functools.cache
+def qwen2_config() -> str:
+    """``QWEN2`` as a local ``.json`` config file (written once per process)."""
+    path = os.path.join(tempfile.mkdtemp(), "qwen2.json")
+    with open(path, "w") as f:
+        json.dump(QWEN2, f)
+    return path
+
+
+def hf_qwen2(lora: int | None) -> torch.nn.Module:
+    """The Qwen2 the command line builds for ``--model hf:CONFIG --lora LORA --dtype bfloat16``,
+    with random weights on the CPU (PEFT's adapters float32 under the bf16 base)."""
+    from hilore_compiler.models.hf_config import build_from_config, load_config, parse_model_arg
+
+    spec = parse_model_arg(f"hf:{qwen2_config()}", lora=lora)
+    return build_from_config(spec, load_config(spec), device="cpu", dtype=torch.bfloat16, seed=0)
+
+
 MODELS = {
     "tiny": lambda: build_model("tiny", dtype=torch.bfloat16, vocab_size=VOCAB).train(),
     # fp32 activations: the one model whose units the bf16 codec encodes.
     "tiny-fp32": lambda: build_model("tiny", vocab_size=VOCAB).train(),
     "hf-llama": lambda: hf_llama(0.0),
     "hf-llama-dropout": lambda: hf_llama(0.1),
+    **{name: functools.partial(hf_qwen2, lora) for name, lora in CLI_MODELS.items()},
 }
 
 
@@ -118,6 +150,28 @@ def plans_for(name: str) -> dict:
             for source, t in (("cpu", cpu), ("meta", meta), ("fake-cuda", fake))}
 
 
+def cli_plan(name: str) -> str:
+    """The plan file ``hilore trace`` (roofline:h100, on meta) and ``hilore plan`` make for
+    CLI model ``name``, run in this process through the command line's ``main``."""
+    from hilore_compiler import cli
+
+    folder = tempfile.mkdtemp()
+    trace_path, plan_path = os.path.join(folder, "trace.json"), os.path.join(folder, "plan.json")
+    lora = CLI_MODELS[name]
+    argv = ["trace", "--model", f"hf:{qwen2_config()}", *(["--lora", str(lora)] if lora else []),
+            "--dtype", "bfloat16", "--batch", str(BATCH), "--seq-len", str(SEQ), "--cost-model", "roofline:h100",
+            "--codecs", ",".join(CODECS), "-o", trace_path]
+    start = time.perf_counter()
+    if cli.main(argv) != 0:
+        raise RuntimeError(f"hilore {' '.join(argv)} failed")
+    SECONDS["hilore trace roofline:h100"] = SECONDS.get("hilore trace roofline:h100", 0.0) + \
+        time.perf_counter() - start
+    argv = ["plan", trace_path, "--budget", BUDGET, "--buckets", "1", "--codecs", ",".join(CODECS), "-o", plan_path]
+    if cli.main(argv) != 0:
+        raise RuntimeError(f"hilore {' '.join(argv)} failed")
+    return plan_path
+
+
 #: Codecs each model's every unit is compressed with, where it applies (``uniform_plans``).
 UNIFORM_CODECS = {"tiny": ("int8", "fp8"), "tiny-fp32": ("bf16", "int8", "fp8"), "hf-llama": ("int8", "fp8")}
 
@@ -143,19 +197,25 @@ def uniform_plans(name: str) -> dict:
 def run_model(name: str) -> dict:
     results: dict = {}
     try:
-        plans = {} if name == "tiny-fp32" else plans_for(name)
-        uniform = uniform_plans(name)
+        if name in CLI_MODELS:
+            plans, uniform = {"hilore plan": cli_plan(name)}, {}
+        else:
+            plans = {} if name == "tiny-fp32" else plans_for(name)
+            uniform = uniform_plans(name)
     except Exception:
         return {"error": traceback.format_exc()}
     runs = {f"plan from {s}": {"plan": p} for s, p in plans.items()}
     runs.update({label: {"plan": p} for label, p in uniform.items()})
-    if plans:
+    if plans and name not in CLI_MODELS:
         runs["zero-config roofline:h100"] = {"cost_model": "roofline:h100", "memory_budget": BUDGET,
                                              "codecs": list(CODECS), "buckets": 1}
     for label, options in runs.items():
         start = time.perf_counter()
         try:
             results[label] = compile_on_fake_cuda(MODELS[name], options)
+            if isinstance(options.get("plan"), str):  # a plan file: how many units it decides
+                with open(options["plan"]) as f:
+                    results[label]["plan_units"] = len(json.load(f)["units"])
         except Exception:
             results[label] = {"error": traceback.format_exc()}
         results[label]["seconds"] = time.perf_counter() - start

@@ -219,13 +219,23 @@ def _meta_backend(captures: list[GraphCapture]) -> Callable:
     """An AOTAutograd backend that records joint graphs of a meta-device model.
 
     Inductor's joint passes fold a meta graph away (every value is
-    "uninitialised" there), so only its decompositions are used; nothing runs.
+    "uninitialised" there), so only its decompositions and the passes that
+    change what the partitioner sees run: canonicalisation and the removal of
+    no-op ops. Without the latter, a LoRA layer's attention output, which the
+    frozen ``o_proj`` keeps only through a backward ``aten.alias``, was missing
+    from the meta trace while the compiled graph saved it. Nothing runs.
     """
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
     def partition(joint: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._inductor.fx_passes.joint_graph import canonicalize_aten_ir_passes
+        from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+        canonicalize_aten_ir_passes(joint)
+        remove_noop_ops(joint.graph)
+        joint.recompile()
         # Values: the tracer's meta stand-ins (``values.meta_values``), enough for roofline costs.
         capture = capture_joint(joint, joint_inputs, None, index=len(captures), record_values=False,
                                 compiler="inductor", **kwargs)

@@ -31,14 +31,16 @@ def calibrate_cached_trace(launcher: Launcher, method: str, ceiling: float) -> P
     traces; its run is closed, not measured.
     """
     config, cache = launcher.config, Path(launcher.hilore_cache)
+    # Always through a worker, even when the cache holds traces: those may be
+    # of an older hilore (traces are keyed by its code), which the workers
+    # would not read, and they would plan from a new, uncalibrated trace. The
+    # worker loads or writes this code's trace, then the newest.
+    launcher.progress(f"calibrate: tracing with a {method} worker first (or reading its cached trace)")
+    close_workers([launcher.start(method, tag="@trace", hilore_budget=f"{ceiling:g}x-gc")])
     trace_path = _newest_trace(cache)
     if trace_path is None:
-        launcher.progress(f"calibrate: tracing with a {method} worker first")
-        close_workers([launcher.start(method, tag="@trace", hilore_budget=f"{ceiling:g}x-gc")])
-        trace_path = _newest_trace(cache)
-        if trace_path is None:
-            raise RuntimeError(f"--calibrate: the {method} worker left no trace in {cache}; "
-                               f"its log is in {launcher.run_dir}")
+        raise RuntimeError(f"--calibrate: the {method} worker left no trace in {cache}; "
+                           f"its log is in {launcher.run_dir}")
     trace = load_trace(trace_path)
     if any(u.sensitivity for u in trace.units):
         launcher.progress(f"calibrate: {trace_path.name} is calibrated already; planning from it")

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.hf_config import DEFAULT_LORA_TARGETS, HF_PREFIX, HFModelSpec, is_hf_model, parse_model_arg
+from ..models.hf_config import (DEFAULT_LORA_TARGETS, HF_PREFIX, HFModelSpec, is_hf_model, parse_model_arg,
+                                parse_model_ref)
 from . import comma_list
 
 
@@ -27,13 +28,13 @@ def model_arg(text: str) -> str:
                                      "or hf:NAME_OR_PATH for a Hugging Face config)")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model`` and the options of an ``hf:`` model."""
+def add_model_arguments(p: argparse.ArgumentParser, default: str | None = "small") -> None:
+    """``--model`` and the options of an ``hf:`` model (``default=None``: the command's own default)."""
     from ..models import model_names
 
-    p.add_argument("--model", default="small", type=model_arg, metavar="MODEL",
-                   help=f"built-in model ({', '.join(model_names())}; default small), or hf:NAME_OR_PATH: "
-                        "a transformers causal LM built "
+    p.add_argument("--model", default=default, type=model_arg, metavar="MODEL",
+                   help=f"built-in model ({', '.join(model_names())}; default {default or 'small'}), or "
+                        "hf:NAME_OR_PATH: a transformers causal LM built "
                         "from its config alone (a folder with config.json, a .json file, or a hub name), "
                         "random weights, nothing but the config downloaded")
     p.add_argument("--layers", type=int, default=None, metavar="N",
@@ -58,7 +59,12 @@ class Policy:
 
 
 def hf_spec(args: argparse.Namespace) -> HFModelSpec | None:
-    """The ``hf:`` model the options name, or None for a built-in one (which takes none of them)."""
+    """The ``hf:`` model the options name, or None for a built-in one (which takes none of them).
+
+    ``--model`` may be a reference with its options folded in
+    (``hf:PATH?layers=4&lora=16``, as the benchmarks hand it to ``hilore
+    calibrate``); flags given as well override them.
+    """
     if not is_hf_model(args.model):
         given = [f for f, v in (("--layers", args.layers), ("--lora", args.lora), ("--lora-alpha", args.lora_alpha))
                  if v is not None]
@@ -66,10 +72,25 @@ def hf_spec(args: argparse.Namespace) -> HFModelSpec | None:
             raise ValueError(f"{', '.join(given) or '--lora-targets'} shape(s) an hf: model; "
                              f"{args.model} is built in")
         return None
-    if args.lora is None and (args.lora_alpha is not None or tuple(args.lora_targets) != DEFAULT_LORA_TARGETS):
+    base = parse_model_ref(args.model)
+    lora = base.lora if args.lora is None else args.lora
+    targets = tuple(args.lora_targets) if tuple(args.lora_targets) != DEFAULT_LORA_TARGETS else base.lora_targets
+    alpha = base.lora_alpha if args.lora_alpha is None else args.lora_alpha
+    if lora is None and (alpha is not None or targets != DEFAULT_LORA_TARGETS):
         raise ValueError("--lora-alpha and --lora-targets need --lora R")
-    return parse_model_arg(args.model, layers=args.layers, lora=args.lora, lora_alpha=args.lora_alpha,
-                           lora_targets=tuple(args.lora_targets))
+    return parse_model_arg(HF_PREFIX + base.name_or_path, layers=base.layers if args.layers is None else args.layers,
+                           lora=lora, lora_alpha=alpha, lora_targets=targets)
+
+
+def model_ref(args: argparse.Namespace) -> str | None:
+    """The model ``args`` name as one string for the benchmarks' workers: a built-in
+    name, or ``HFModelSpec.ref`` of the ``hf:`` model and its options; None when no
+    ``--model`` was given (the command's default)."""
+    if args.model is None:
+        hf_spec(argparse.Namespace(**{**vars(args), "model": "small"}))  # options without a model: refused
+        return None
+    spec = hf_spec(args)
+    return args.model if spec is None else spec.ref()
 
 
 def build_policy(args: argparse.Namespace, *, device: str, dtype: torch.dtype | None) -> Policy:
@@ -86,6 +107,11 @@ def build_policy(args: argparse.Namespace, *, device: str, dtype: torch.dtype | 
     model = build_from_config(spec, config, device=device, dtype=dtype, seed=args.seed)
     return Policy(module=model, name=spec.describe(config.num_hidden_layers), vocab_size=config.vocab_size,
                   notes=_hf_notes(spec, config, model, device=device, seed=args.seed))
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """A Hugging Face causal LM's decoder layers."""
+    return model.get_decoder().layers
 
 
 def _hf_notes(spec: HFModelSpec, config, model: torch.nn.Module, *, device: str, seed: int) -> tuple[str, ...]:

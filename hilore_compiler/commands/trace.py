@@ -4,6 +4,7 @@ or a Hugging Face config (``--model hf:PATH``, ``commands.policy``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,8 @@ from ..devices import DEVICES, GiB, device_spec
 from ..models.hf_config import DEFAULT_LORA_TARGETS
 from ..vocabulary import DEFAULT_CODECS
 from . import SUMMARIES
-from .policy import add_model_arguments, build_policy
+from ..passes.depth import CAPTURED_LAYERS, stack_differs
+from .policy import add_model_arguments, build_policy, decoder_layers, hf_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "may measure more, such as fp8 or int4, for plans that opt in)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median kept)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capture-layers", choices=("auto", "all"), default="auto",
+                   help=f"hf: models deeper than {CAPTURED_LAYERS} layers whose middle layers are built alike: "
+                        f"'auto' captures the first {CAPTURED_LAYERS} and gives the others their units "
+                        "(the same trace, in a fraction of the time); 'all' captures every layer (default auto)")
     p.add_argument("-o", "--output", required=True, help="where to write the trace JSON")
     p.set_defaults(run=run)
 
@@ -82,7 +88,7 @@ def example_batch(model: torch.nn.Module, batch: int, seq_len: int, seed: int, d
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..passes.tracer import TraceConfig, trace
+    from ..passes.tracer import TraceConfig, frozen_parameter_bytes, trace
 
     check_output_path(args.output)  # before minutes of profiling, not after
     roofline = args.cost_model != "measured"
@@ -90,21 +96,48 @@ def run(args: argparse.Namespace) -> int:
         device_spec(args.cost_model)  # an unknown device fails before the model is built
     device = "meta" if roofline else "cpu"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if roofline else None)
-    policy = build_policy(args, device=device, dtype=dtype)
+    full, cut = _depth_cut(args, dtype)
+    policy = build_policy(args if cut is None else cut, device=device, dtype=dtype)
     ids = example_batch(policy.module, args.batch, args.seq_len, args.seed, device, vocab=policy.vocab_size)
     notes = (command_line(args), *policy.notes)
+    if cut is not None:
+        layers = len(decoder_layers(full.module))
+        notes += (f"captured the first {CAPTURED_LAYERS} of {layers} layers: layers 2-{layers - 2} repeat "
+                  f"layer 2's units, layer {layers - 1} layer 3's (their middle layers are built alike; "
+                  "--capture-layers all captures every layer)",)
     if roofline:
         notes += ("meta device: codec errors measured on synthetic N(0,1) rows of each unit's width",)
     if policy.notes:  # what the costs are for, said once beside what was built
         notes += (f"costs: {_costs_for(args.cost_model)}; parameters "
                   f"{args.dtype or ('bfloat16' if roofline else 'float32')}",)
     config = TraceConfig(cost_model=args.cost_model, codecs=tuple(c for c in args.codecs.split(",") if c),
-                         repeats=args.repeats, model_name=policy.name, notes=notes)
+                         repeats=args.repeats, model_name=(full or policy).name, notes=notes,
+                         full_layers=None if cut is None else len(decoder_layers(full.module)))
     result = trace(policy.module, [ids], grpo_trace_loss(ids, args.seed), config=config)
+    if cut is not None:  # the whole model's base weights, not the cut's
+        result = dataclasses.replace(result, frozen_param_bytes=frozen_parameter_bytes(full.module))
     path = save_or_fallback(result.save, args.output, "trace")
     print(f"wrote {path}: {len(result.units)} recovery units over {result.num_layers} layers, "
           f"fingerprint {result.fingerprint}", file=sys.stderr)
     return 0
+
+
+def _depth_cut(args: argparse.Namespace, dtype: torch.dtype | None) -> tuple[Any, argparse.Namespace | None]:
+    """The whole ``hf:`` model on the meta device and the options that build its first
+    ``CAPTURED_LAYERS`` layers, when the trace may be made from those (``passes.depth``);
+    ``(None, None)`` otherwise (a built-in model, ``--capture-layers all``, a shallow or
+    mixed stack: said once)."""
+    if args.capture_layers == "all" or hf_spec(args) is None:
+        return None, None
+    full = build_policy(args, device="meta", dtype=dtype)
+    layers = decoder_layers(full.module)
+    why = stack_differs(layers, getattr(full.module.config, "layer_types", None))
+    if why is not None:
+        if len(layers) > CAPTURED_LAYERS:
+            print(f"hilore trace: capturing all {len(layers)} layers: {why}", file=sys.stderr)
+        return None, None
+    return full, argparse.Namespace(**{**vars(args), "layers": CAPTURED_LAYERS if args.layers is None
+                                       else min(args.layers, CAPTURED_LAYERS)})
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -40,7 +40,9 @@ __all__ = [
     "DTYPES",
     "build_model",
     "chunked_token_logprobs",
+    "hidden_size",
     "model_names",
+    "model_slug",
     "response_logprobs",
     "token_logprobs",
 ]
@@ -97,6 +99,25 @@ def model_names() -> list[str]:
     return list(MODEL_CONFIGS)
 
 
+def model_slug(name: str) -> str:
+    """``name`` as result files name it: a built-in name as it is, a Hugging Face
+    reference shortened (``hf-qwen25-3b-l4-lora16``)."""
+    if name.startswith("hf:"):
+        from .hf_config import parse_model_ref
+
+        return parse_model_ref(name).slug()
+    return name
+
+
+def hidden_size(name: str) -> int:
+    """The width of model ``name``'s hidden states (reads a Hugging Face config, builds nothing)."""
+    if name.startswith("hf:"):
+        from .hf_config import load_config, parse_model_ref
+
+        return int(load_config(parse_model_ref(name)).hidden_size)
+    return MODEL_CONFIGS[name].hidden
+
+
 def _model_class(config: ModelConfig) -> type[nn.Module]:
     if isinstance(config, LlamaConfig):
         return LlamaModel
@@ -116,7 +137,9 @@ def build_model(
     """Build the registered model ``name``, its weights fixed by ``seed``.
 
     Args:
-        name: a key of ``MODEL_CONFIGS``.
+        name: a key of ``MODEL_CONFIGS``, or a Hugging Face model reference
+            (``hf:PATH?layers=4&lora=16``, ``HFModelSpec.ref``), built from its
+            config alone as an ``hf_policy.HFPolicy`` (takes no ``overrides``).
         device: where parameters are created (``"meta"`` allocates nothing);
             None means the current default device.
         dtype: parameter dtype; None keeps fp32.
@@ -127,8 +150,18 @@ def build_model(
     Raises:
         ValueError: unknown name or unknown config field.
     """
+    if name.startswith("hf:"):
+        from .hf_config import parse_model_ref
+        from .hf_policy import build_hf_policy
+
+        if overrides:
+            raise ValueError(f"{name}: a Hugging Face model takes no config overrides ({sorted(overrides)}); "
+                             "edit its config file, or cut its depth with layers=N in the reference")
+        return build_hf_policy(parse_model_ref(name), device=device or torch.get_default_device(), dtype=dtype,
+                               seed=seed)
     if name not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(model_names())}")
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(model_names())}, "
+                         "or hf:NAME_OR_PATH for a Hugging Face config")
     config = MODEL_CONFIGS[name]
     fields = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(overrides) - fields)

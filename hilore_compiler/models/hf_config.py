@@ -14,6 +14,7 @@ the adapters are trained. Needs ``transformers`` and, for LoRA, ``peft`` (the
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,28 @@ class HFModelSpec:
             parts.append(f"LoRA r={self.lora} on {short}")
         return f"{HF_PREFIX}{self.name_or_path} ({', '.join(parts)})"
 
+    def ref(self) -> str:
+        """One string naming this spec, options included, that ``parse_model_ref`` reads back:
+        ``hf:PATH`` or ``hf:PATH?layers=4&lora=16&alpha=32&targets=q_proj,v_proj``.
+
+        Benchmarks pass it to their worker processes as the model's name.
+        """
+        options = {"layers": self.layers, "lora": self.lora, "alpha": self.lora_alpha}
+        query = [f"{k}={v:g}" for k, v in options.items() if v is not None]
+        if self.lora is not None and self.lora_targets != DEFAULT_LORA_TARGETS:
+            query.append(f"targets={','.join(self.lora_targets)}")
+        return f"{HF_PREFIX}{self.name_or_path}" + (f"?{'&'.join(query)}" if query else "")
+
+    def slug(self) -> str:
+        """A file-name-safe short name: ``hf-qwen25-3b-l4-lora16``."""
+        stem = Path(self.name_or_path.rstrip("/")).name.removesuffix(".json").lower()
+        parts = [re.sub(r"[^a-z0-9]+", "", stem) or "model"]
+        if self.layers is not None:
+            parts.append(f"l{self.layers}")
+        if self.lora is not None:
+            parts.append(f"lora{self.lora}")
+        return "hf-" + "-".join(parts)
+
 
 def is_hf_model(name: str) -> bool:
     """Whether a ``--model`` value names a Hugging Face config (``hf:...``)."""
@@ -85,6 +108,36 @@ def parse_model_arg(text: str, *, layers: int | None = None, lora: int | None = 
         raise ValueError("--lora-targets names no module")
     return HFModelSpec(name_or_path=text[len(HF_PREFIX):].strip(), layers=layers, lora=lora,
                        lora_alpha=lora_alpha, lora_targets=targets)
+
+
+#: The options ``HFModelSpec.ref`` writes after ``?``.
+_REF_OPTIONS = ("layers", "lora", "alpha", "targets")
+
+
+def parse_model_ref(text: str) -> HFModelSpec:
+    """``HFModelSpec.ref``'s string (or a plain ``hf:NAME_OR_PATH``) -> the spec.
+
+    Raises:
+        ValueError: not ``hf:...``, an option ``ref`` never writes, or a bad value.
+    """
+    name, sep, query = text.partition("?")
+    if not sep or not query:
+        return parse_model_arg(text)
+    options: dict[str, str] = {}
+    for item in query.split("&"):
+        key, _, value = item.partition("=")
+        if key not in _REF_OPTIONS or not value:
+            raise ValueError(f"{text!r}: unknown model option {item!r}; options: "
+                             f"{', '.join(o + '=...' for o in _REF_OPTIONS)}")
+        options[key] = value
+    try:
+        return parse_model_arg(
+            name, layers=int(options["layers"]) if "layers" in options else None,
+            lora=int(options["lora"]) if "lora" in options else None,
+            lora_alpha=float(options["alpha"]) if "alpha" in options else None,
+            lora_targets=tuple(options["targets"].split(",")) if "targets" in options else None)
+    except ValueError as e:
+        raise ValueError(f"{text!r}: {e}") from None
 
 
 def load_config(spec: HFModelSpec) -> Any:

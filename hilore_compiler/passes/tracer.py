@@ -22,6 +22,7 @@ from .annotate import UnitNodes, annotate_units, is_backward, layer_of, module_f
 from .capture import GraphCapture, capture_joint_graphs
 from .allocator import default_allocator
 from .classes import profile_by_class, unit_classes
+from .depth import DepthError, DepthMap, extend_by_layer, extend_classes, extend_units
 from .profile import ProfileConfig, profile_unit
 from .sizes import largest, nbytes_expr, shape_symbols, size_hint, total_nbytes
 from .values import meta_values
@@ -52,6 +53,9 @@ class TraceConfig:
     #: ``dynamic=False`` compile at this shape makes.
     dynamic: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: The model given is the first ``depth.CAPTURED_LAYERS`` layers of a stack
+    #: of this many: the trace is extended to them (``depth.py``). None: the model as given.
+    full_layers: int | None = None
 
 
 def default_loss(out: Any) -> torch.Tensor:
@@ -67,21 +71,36 @@ def _progress(config: TraceConfig) -> Callable[[str], None]:
     return say
 
 
-def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch: int, seq_len: int) -> sympy.Expr:
-    """Activation bytes of per-layer gradient checkpointing at this graph.
-
-    GC keeps each layer's inputs, everything saved outside the layer stack,
-    and during backward one layer's recomputed activations at a time (the
-    caller adds the largest recompute workspace, known after profiling).
-    """
-    boundary: dict[fx.Node, sympy.Expr] = {}
+def gc_boundary_by_layer(joint: fx.GraphModule, symbols) -> dict[int, sympy.Expr]:
+    """Bytes GC keeps at each layer's entry: the tensors made outside a layer that its
+    forward reads (its input hidden state), each counted once, at the first layer that reads it
+    (so what all layers share, rotary tables or a mask, counts at layer 0)."""
+    boundary: dict[fx.Node, tuple[int, sympy.Expr]] = {}
     for node in joint.graph.nodes:
         layer = layer_of(module_fqn(node))
         if node.op != "call_function" or is_backward(node) or layer is None:
             continue
         for arg in node.all_input_nodes:
             if arg.op != "placeholder" and layer_of(module_fqn(arg)) != layer and isinstance(arg.meta.get("val"), torch.Tensor):
-                boundary[arg] = nbytes_expr(arg, symbols)
+                if arg not in boundary or layer < boundary[arg][0]:
+                    boundary[arg] = (layer, nbytes_expr(arg, symbols))
+    by_layer: dict[int, sympy.Expr] = {}
+    for layer, nbytes in boundary.values():
+        by_layer[layer] = by_layer.get(layer, sympy.Integer(0)) + nbytes
+    return by_layer
+
+
+def gc_bytes_expr(joint: fx.GraphModule, units: list[UnitNodes], symbols, batch: int, seq_len: int,
+                  boundary: Mapping[int, sympy.Expr] | None = None) -> sympy.Expr:
+    """Activation bytes of per-layer gradient checkpointing at this graph.
+
+    GC keeps each layer's inputs (``boundary``: ``gc_boundary_by_layer``'s,
+    by default of this graph), everything saved outside the layer stack,
+    and during backward one layer's recomputed activations at a time (the
+    caller adds the largest recompute workspace, known after profiling).
+    """
+    if boundary is None:
+        boundary = gc_boundary_by_layer(joint, symbols)
     outside = [u for u in units if u.layer is None]
     per_layer: dict[int, sympy.Expr] = {}
     for u in units:
@@ -155,10 +174,12 @@ def _forward_readers(node: fx.Node) -> list[fx.Node]:
     return readers
 
 
-def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph]) -> str:
+def fingerprint(units: Iterable[tuple[str, str, str]], graphs: Iterable[fx.Graph], salt: str = "") -> str:
     """Hash of what identifies a model graph: (key, kind, dtype) of every unit
-    and the shapes of the trained parameters; not the batch or sequence size."""
-    h = hashlib.sha256()
+    and the shapes of the trained parameters; not the batch or sequence size.
+    ``salt`` names how the units were made when not from these graphs alone
+    (a depth extension)."""
+    h = hashlib.sha256(salt.encode())
     for key, kind, dtype in sorted(units):
         h.update(f"{key}|{kind}|{dtype}\n".encode())
     for graph in graphs:
@@ -230,8 +251,15 @@ def _doubled(values: Any) -> Any:
 
 
 def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, config: TraceConfig) -> Trace:
-    """Annotate and profile captured graphs (the tracer's second half)."""
+    """Annotate and profile captured graphs (the tracer's second half).
+
+    With ``config.full_layers`` the one captured graph is of a cut stack, and
+    the trace is extended to the full one (``depth.py``); ``DepthError`` when it cannot be.
+    """
     say = _progress(config)
+    depth = None if config.full_layers is None else DepthMap(config.full_layers)
+    if depth is not None and len(captures) != 1:
+        raise DepthError(f"the cut model made {len(captures)} graphs; a depth extension needs one")
     profile_config = ProfileConfig(cost_model=config.cost_model, warmup=config.warmup,
                                    repeats=config.repeats, codecs=config.codecs,
                                    batch=batch, seq_len=seq_len)
@@ -247,7 +275,6 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         if config.cost_model != "measured" and not capture.values:
             capture.values = meta_values(capture.joint)
         classes = unit_classes(graph_units, symbols)
-        block_classes.update({f"{prefix}{name}": layers for name, layers in classes.items()})
         ticker = Ticker(say)
 
         def measure(unit: UnitNodes, factor: int, values: dict = capture.values, symbols: dict = symbols) -> RecoveryUnit:
@@ -260,16 +287,26 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
             profiled = profile_by_class(graph_units, classes, measure, progress=lambda done, total, key: ticker(
                 f"graph {capture.index}: profiled {done}/{total} units, one layer per block class "
                 f"({len(graph_units)} units, {len(classes)} classes; {key})", last=done == total))
-        units += profiled
-        # GC's backward also re-runs one unit's region at a time: its workspace.
+        # GC's backward also re-runs one unit's region at a time: its workspace
+        # (the largest of a set of values that a depth extension only repeats).
         workspace = largest((parse_size(u.recompute_transient) for u in profiled), batch, seq_len)
-        gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len) + workspace
+        boundary = gc_boundary_by_layer(capture.joint, symbols)
+        if depth is not None:
+            profiled = extend_units(profiled, depth, classes)
+            classes = extend_classes(classes, depth)
+            boundary = {layer: boundary.get(depth.template(layer), sympy.Integer(0)) for layer in range(depth.full)}
+        block_classes.update({f"{prefix}{name}": layers for name, layers in classes.items()})
+        units += profiled
+        gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len, boundary) + workspace
         store_total += sum((parse_size(u.bytes) for u in profiled), sympy.Integer(0))
         output_total += output_bytes_expr(capture.joint, symbols)
         for segment, nbytes, readers in trained_parameters(capture.joint, symbols, batch, seq_len):
             param_bytes[segment] = param_bytes.get(segment, 0) + nbytes
             if readers > 1:
                 partial_grad_bytes[segment] = max(partial_grad_bytes.get(segment, 0), nbytes)
+    if depth is not None:
+        param_bytes = extend_by_layer(param_bytes, depth, group_of)
+        partial_grad_bytes = extend_by_layer(partial_grad_bytes, depth, group_of)
     keys = [u.key for u in units]
     if len(set(keys)) != len(keys):
         raise RuntimeError("recovery unit keys collide across graphs; report this model")
@@ -277,7 +314,8 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
     # Every trace, the backend's and ``hilore trace``'s, holds measured times
     # summarised to a stated resolution, so that two traces of one graph plan alike.
     return round_measured_costs(Trace(
-        fingerprint=fingerprint(((u.key, u.kind, u.dtype) for u in units), (c.joint.graph for c in captures)),
+        fingerprint=fingerprint(((u.key, u.kind, u.dtype) for u in units), (c.joint.graph for c in captures),
+                                salt="" if depth is None else f"depth {depth.captured} -> {depth.full}"),
         model=config.model_name, batch=batch, seq_len=seq_len, device=device,
         cost_source=config.cost_model, units=tuple(units), gc_bytes=format_size(gc_total),
         store_bytes=format_size(sympy.expand(store_total)),

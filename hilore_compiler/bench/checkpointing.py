@@ -72,8 +72,12 @@ def wrap_layers(model: nn.Module, context_fn: Callable[[], Any] | None = None, e
     """Put every ``every``-th ``model.layers[i]`` under checkpoint, in place; parameter order is kept.
 
     Layers count from 1, as in torchtitan's layer-level selective AC: ``every=2``
-    wraps layers 1, 3, ... (0-based).
+    wraps layers 1, 3, ... (0-based). A Hugging Face policy
+    (``models.hf_policy.HFPolicy``) checkpoints through its model's own
+    gradient checkpointing instead, as TRL and verl run it.
     """
+    if hasattr(model, "checkpoint_layers"):
+        return model.checkpoint_layers(context_fn, every)
     return _wrap_layers(model, lambda layer: Checkpointed(layer, context_fn), every)
 
 
@@ -232,6 +236,12 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _built_in_layers(model: nn.Module, method: str) -> None:
+    if hasattr(model, "checkpoint_layers"):
+        raise ValueError(f"{method} wraps the built-in policies' decoder layers; a Hugging Face model's layers "
+                         "take keyword arguments it does not pass: leave it out of --methods")
+
+
 def wrap_layers_int8(model: nn.Module, compiled: bool = True) -> nn.Module:
     """Put every ``model.layers[i]`` under ``Int8Checkpointed``, in place; parameter order is kept."""
     return wrap_layers_kept(model, Int8Checkpointed, compiled)
@@ -240,4 +250,5 @@ def wrap_layers_int8(model: nn.Module, compiled: bool = True) -> nn.Module:
 def wrap_layers_kept(model: nn.Module, kind: type[KeptInputCheckpointed], compiled: bool = True) -> nn.Module:
     """Put every ``model.layers[i]`` under ``kind`` (a ``KeptInputCheckpointed``), in place;
     parameter order is kept."""
+    _built_in_layers(model, kind.__name__)
     return _wrap_layers(model, lambda layer: kind(layer, compiled))

@@ -1,7 +1,8 @@
 """``hilore bench --compile-cost``: first-compile seconds of plain Inductor and zero-config hilore.
 
 A new user's first ``torch.compile`` of a Hugging Face ``LlamaForCausalLM``
-built from a config (random weights, sdpa, fp32), at several depths: for each
+built from a config (random weights, sdpa, fp32), or of the ``hf:`` model a
+user names (``model``, any config, LoRA included), at several depths: for each
 depth, plain ``torch.compile(model)`` and ``torch.compile(model,
 backend="hilore")`` run back to back, each in a fresh process with empty
 Inductor and hilore caches. Per run: the first forward + backward's seconds
@@ -12,6 +13,7 @@ over Inductor's at the same depth, so a loaded machine moves both alike.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +43,11 @@ class CompileCostConfig:
     threads: int | None = None
     #: Seconds one compile may take before it is reported as a timeout.
     timeout_s: float = 1800.0
+    #: A Hugging Face model reference (``HFModelSpec.ref``) compiled instead of the
+    #: built-in Llama (``hidden``, ``heads`` and ``vocab`` then unused), cut to each depth.
+    model: str | None = None
+    #: Parameter dtype.
+    dtype: str = "float32"
 
 
 #: ``--quick``: small enough for a test.
@@ -56,10 +63,16 @@ def _worker(config: dict[str, Any], layers: int, method: str) -> dict[str, Any]:
 
     if config["threads"]:
         torch.set_num_threads(config["threads"])
-    model = build_hf_model("llama", vocab_size=config["vocab"], hidden=config["hidden"], layers=layers,
-                           heads=config["heads"], kv_heads=config["heads"], intermediate=2 * config["hidden"],
-                           max_positions=max(64, config["seq_len"]), use_cache=False)
-    ids = torch.randint(0, config["vocab"], (config["batch"], config["seq_len"]),
+    if config.get("model"):  # the causal LM itself, as a trainer compiles it
+        from ..models.hf_config import build_from_config, load_config, parse_model_ref
+
+        spec = dataclasses.replace(parse_model_ref(config["model"]), layers=layers)
+        model = build_from_config(spec, load_config(spec), dtype=getattr(torch, config.get("dtype", "float32")))
+    else:
+        model = build_hf_model("llama", vocab_size=config["vocab"], hidden=config["hidden"], layers=layers,
+                               heads=config["heads"], kv_heads=config["heads"], intermediate=2 * config["hidden"],
+                               max_positions=max(64, config["seq_len"]), use_cache=False)
+    ids = torch.randint(0, model.config.vocab_size, (config["batch"], config["seq_len"]),
                         generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(model) if method == "inductor" else torch.compile(model, backend="hilore")
 

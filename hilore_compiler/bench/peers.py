@@ -107,10 +107,10 @@ LABELS = {
 
 def hidden_state_mb(model: str, batch: int, seq_len: int, dtype: str) -> float:
     """MiB of one (B, T, hidden) activation of the step (``inductor-fp8``'s unit)."""
-    from ..models import MODEL_CONFIGS
+    from ..models import hidden_size
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return batch * seq_len * MODEL_CONFIGS[model].hidden * itemsize / 2**20
+    return batch * seq_len * hidden_size(model) * itemsize / 2**20
 
 
 def probe_grid(method: str, probes: int, unit_mb: float) -> list[float]:

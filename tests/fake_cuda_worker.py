@@ -6,7 +6,7 @@ plans from three traces (a measured CPU trace, a roofline trace on the meta
 device, a roofline trace of the fake-CUDA graph), applies each strictly to
 the fake-CUDA graph, and plans that graph zero-config with
 ``cost_model="roofline:h100"``. The ``CLI_MODELS`` (a Qwen2 from a config
-file, with PEFT LoRA and without) are planned by the command line instead
+file, with PEFT LoRA and without, and a Llama with LoRA) are planned by the command line instead
 (``hilore trace --model hf:CONFIG.json --cost-model roofline:h100``, then
 ``hilore plan``) and compiled with its plan file. Compiles stop after
 Inductor's partitioner. It writes what each compile did as JSON; the tests read it.
@@ -61,29 +61,35 @@ def hf_llama(dropout: float) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
 
 
-#: A tiny Qwen2 config, as ``--model hf:CONFIG.json`` takes it.
-QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 64}
+#: Tiny configs of the paper's two families, as ``--model hf:CONFIG.json`` takes them.
+CONFIGS = {
+    "qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+              "max_position_embeddings": 64},
+    "llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+              "max_position_embeddings": 64},
+}
 #: Models the command line plans (``hilore trace`` on meta, roofline:h100, then ``hilore plan``):
-#: their LoRA rank (None: full fine-tuning).
-CLI_MODELS = {"hf-qwen2-lora": 4, "hf-qwen2": None}
+#: their config and LoRA rank (None: full fine-tuning).
+CLI_MODELS = {"hf-qwen2-lora": ("qwen2", 4), "hf-qwen2": ("qwen2", None), "hf-llama-lora": ("llama", 4)}
 
 
 @functools.cache
-def qwen2_config() -> str:
-    """``QWEN2`` as a local ``.json`` config file (written once per process)."""
-    path = os.path.join(tempfile.mkdtemp(), "qwen2.json")
+def config_file(family: str) -> str:
+    """``CONFIGS[family]`` as a local ``.json`` config file (written once per process)."""
+    path = os.path.join(tempfile.mkdtemp(), f"{family}.json")
     with open(path, "w") as f:
-        json.dump(QWEN2, f)
+        json.dump(CONFIGS[family], f)
     return path
 
 
-def hf_qwen2(lora: int | None) -> torch.nn.Module:
-    """The Qwen2 the command line builds for ``--model hf:CONFIG --lora LORA --dtype bfloat16``,
+def hf_cli_model(family: str, lora: int | None) -> torch.nn.Module:
+    """The model the command line builds for ``--model hf:CONFIG --lora LORA --dtype bfloat16``,
     with random weights on the CPU (PEFT's adapters float32 under the bf16 base)."""
     from hilore_compiler.models.hf_config import build_from_config, load_config, parse_model_arg
 
-    spec = parse_model_arg(f"hf:{qwen2_config()}", lora=lora)
+    spec = parse_model_arg(f"hf:{config_file(family)}", lora=lora)
     return build_from_config(spec, load_config(spec), device="cpu", dtype=torch.bfloat16, seed=0)
 
 
@@ -93,7 +99,7 @@ MODELS = {
     "tiny-fp32": lambda: build_model("tiny", vocab_size=VOCAB).train(),
     "hf-llama": lambda: hf_llama(0.0),
     "hf-llama-dropout": lambda: hf_llama(0.1),
-    **{name: functools.partial(hf_qwen2, lora) for name, lora in CLI_MODELS.items()},
+    **{name: functools.partial(hf_cli_model, family, lora) for name, (family, lora) in CLI_MODELS.items()},
 }
 
 
@@ -157,8 +163,8 @@ def cli_plan(name: str) -> str:
 
     folder = tempfile.mkdtemp()
     trace_path, plan_path = os.path.join(folder, "trace.json"), os.path.join(folder, "plan.json")
-    lora = CLI_MODELS[name]
-    argv = ["trace", "--model", f"hf:{qwen2_config()}", *(["--lora", str(lora)] if lora else []),
+    family, lora = CLI_MODELS[name]
+    argv = ["trace", "--model", f"hf:{config_file(family)}", *(["--lora", str(lora)] if lora else []),
             "--dtype", "bfloat16", "--batch", str(BATCH), "--seq-len", str(SEQ), "--cost-model", "roofline:h100",
             "--codecs", ",".join(CODECS), "-o", trace_path]
     start = time.perf_counter()

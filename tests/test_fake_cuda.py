@@ -7,7 +7,7 @@ on fake CUDA tensors up to the end of Inductor's partitioner, with plans
 from a measured CPU trace, a roofline trace on the meta device and a
 roofline trace of the fake-CUDA graph, each applied strictly, and
 zero-config with ``cost_model="roofline:h100"``; and a Qwen2 from a config
-file (with PEFT LoRA and without) with the plan the command line makes for
+file (with PEFT LoRA and without) and a Llama with LoRA, with the plan the command line makes for
 it (``hilore trace --model hf:CONFIG.json``, ``hilore plan``). What stands
 in for the GPU, and what that cannot show, is in ``hilore_compiler/fakecuda.py``.
 """
@@ -111,7 +111,7 @@ def test_every_unit_compressed_keeps_exactly_what_the_plan_predicts(compiled, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["hf-qwen2", "hf-qwen2-lora"])
+@pytest.mark.parametrize("model", ["hf-qwen2", "hf-qwen2-lora", "hf-llama-lora"])
 def test_command_line_plans_for_a_hf_model_apply_strictly_and_save_what_they_predict(compiled, model):
     """``hilore trace --model hf:CONFIG.json [--lora 4] --cost-model roofline:h100`` (on
     meta) and ``hilore plan --budget 1.0x-gc``: the plan file decides every unit of the

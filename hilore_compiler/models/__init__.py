@@ -6,6 +6,7 @@ Modules:
     logprobs  per-token log-probabilities with the standard causal shift
     hf        tiny Hugging Face causal LMs for tests and examples
     hf_config Hugging Face causal LMs from a config alone (``--model hf:...``), LoRA by PEFT
+    hf_policy such a model as a policy (logits from token ids, ``layers``, its own GC) for the benchmarks
 
 Every model maps ``input_ids (B, T)`` to ``logits (B, T, V)``, keeps its
 config in ``.config`` and names its layer stack ``layers`` (an

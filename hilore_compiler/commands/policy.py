@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.hf_config import (DEFAULT_LORA_TARGETS, HF_PREFIX, HFModelSpec, is_hf_model, parse_model_arg,
-                                parse_model_ref)
+from ..models.hf_config import (DEFAULT_LORA_TARGETS, HF_PREFIX, HFModelSpec, bundled_names, is_hf_model,
+                                parse_model_arg, parse_model_ref)
 from . import comma_list
 
 
@@ -35,7 +35,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default: str | None = "small
     p.add_argument("--model", default=default, type=model_arg, metavar="MODEL",
                    help=f"built-in model ({', '.join(model_names())}; default {default or 'small'}), or "
                         "hf:NAME_OR_PATH: a transformers causal LM built "
-                        "from its config alone (a folder with config.json, a .json file, or a hub name), "
+                        "from its config alone (a folder with config.json, a .json file, a config shipped "
+                        f"with the package: {', '.join(bundled_names())}; or a hub name), "
                         "random weights, nothing but the config downloaded")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="hf: models: keep the first N decoder layers (so that a deep model fits a CPU)")

@@ -1,8 +1,10 @@
 """Hugging Face causal LMs built from a config alone: ``--model hf:NAME_OR_PATH``.
 
 ``hilore trace`` and ``hilore calibrate`` take ``hf:`` plus a local folder with
-a ``config.json``, a local ``.json`` config file, or a hub name (which the
-user's transformers resolves; that fetches the config only). No weights are
+a ``config.json``, a local ``.json`` config file, the name of a config
+shipped with the package (``qwen2.5-0.5b``, ``qwen2.5-3b``, ``llama-3.2-1b``:
+``BUNDLED_CONFIGS``), or a hub name (which the user's transformers resolves;
+that fetches the config only). No weights are
 ever loaded: the model is built on the meta device for roofline traces and
 with seeded random weights on the CPU for measured ones, attention ``sdpa``,
 ``use_cache`` and dropout off. ``--layers N`` cuts a deep model to N layers so
@@ -24,6 +26,11 @@ import torch
 #: What marks a ``--model`` value as a Hugging Face config rather than a built-in name.
 HF_PREFIX = "hf:"
 
+#: Configs shipped with the package, by the name ``hf:NAME`` gives them: the
+#: published widths of models people fine-tune with GRPO (the paper's
+#: Qwen2.5-3B among them), so that real widths need no network.
+BUNDLED_CONFIGS = Path(__file__).parent / "configs"
+
 #: LoRA's target modules by default: every projection of a Llama / Qwen2 /
 #: Mistral decoder layer (attention and SwiGLU MLP), as LoRA fine-tunes of them commonly set.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,7 +40,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class HFModelSpec:
     """Which Hugging Face causal LM to build, and how (``parse_model_arg``)."""
 
-    #: A local folder with ``config.json``, a local ``.json`` file, or a hub name.
+    #: A local folder with ``config.json``, a local ``.json`` file, a bundled config's name, or a hub name.
     name_or_path: str
     #: Keep only the first this many decoder layers (None: all of the config's).
     layers: int | None = None
@@ -97,7 +104,7 @@ def parse_model_arg(text: str, *, layers: int | None = None, lora: int | None = 
             a non-positive alpha or no LoRA targets.
     """
     if not is_hf_model(text) or not text[len(HF_PREFIX):].strip():
-        raise ValueError(f"expected hf:NAME_OR_PATH (a config folder, a .json config or a hub name), got {text!r}")
+        raise ValueError(f"expected hf:NAME_OR_PATH (a config folder, a .json config, a bundled name such as qwen2.5-0.5b, or a hub name), got {text!r}")
     for flag, value in (("--layers", layers), ("--lora", lora)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -147,7 +154,7 @@ def load_config(spec: HFModelSpec) -> Any:
     a folder or a hub name goes to ``AutoConfig.from_pretrained`` as given.
     """
     transformers = _transformers()
-    path = Path(spec.name_or_path).expanduser()
+    path = config_path(spec.name_or_path)
     if path.is_file():
         fields = json.loads(path.read_text())
         model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
@@ -164,6 +171,22 @@ def load_config(spec: HFModelSpec) -> Any:
         if name.endswith(("dropout", "pdrop")) and isinstance(value, float):
             setattr(config, name, 0.0)
     return config
+
+
+def bundled_names() -> list[str]:
+    """The names of the configs shipped with the package (``BUNDLED_CONFIGS``)."""
+    return sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.json"))
+
+
+def config_path(name_or_path: str) -> Path:
+    """Where ``hf:NAME_OR_PATH``'s config is read from: a local path as given,
+    else a bundled config of that name (``qwen2.5-0.5b``, case ignored), else
+    the name itself (a hub name, which ``AutoConfig`` resolves)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    bundled = BUNDLED_CONFIGS / f"{name_or_path.lower()}.json"
+    return bundled if bundled.is_file() else path
 
 
 def _transformers() -> Any:

@@ -21,8 +21,12 @@ from .validate import raise_problems, trace_problems
 
 TRACE_SCHEMA = "hilore.trace/v1"
 
+#: ``Trace.partial_grad_bytes``'s key for the partial gradients of parameters
+#: read in several backward segments, alive together at the end of backward.
+TIED_PARTIALS = "tied"
+
 # Sizes live in ``sizeexpr``; these names stay importable from here.
-__all__ = ["B", "S", "SHAPE_SYMBOLS", "CodecCost", "RecoveryUnit", "Trace", "TRACE_SCHEMA",
+__all__ = ["B", "S", "SHAPE_SYMBOLS", "CodecCost", "RecoveryUnit", "TIED_PARTIALS", "Trace", "TRACE_SCHEMA",
            "eval_size", "load_trace", "parse_size", "trace_from_json"]
 
 
@@ -117,7 +121,10 @@ class Trace:
     param_bytes: dict[str, int] = field(default_factory=dict)
     #: Per backward segment, the bytes of its largest parameter that several
     #: forward ops read (a chunked lm_head): backward holds one partial
-    #: gradient of that size beside the sum. Empty where none is (and in
+    #: gradient of that size beside the sum. Under ``TIED_PARTIALS``: the
+    #: parameters read in several segments (an embedding tied to the
+    #: lm_head), whose partial from the segment backward meets first is alive
+    #: beside the others at the end of backward. Empty where none is (and in
     #: traces that predate it).
     partial_grad_bytes: dict[str, int] = field(default_factory=dict)
     #: Block classes (``blockclasses``): layers whose units are the same up to
@@ -130,6 +137,10 @@ class Trace:
     #: held through the step but never given a gradient or optimizer state.
     #: None where not recorded (older traces, graphs traced without their model).
     frozen_param_bytes: int | None = None
+    #: The dtype of the graph's largest differentiated output (the logits),
+    #: which a loss run after the graph upcasts (``solver.lossmodel``); ""
+    #: where not recorded.
+    output_dtype: str = ""
 
     def unit(self, key: str) -> RecoveryUnit:
         for u in self.units:
@@ -231,6 +242,7 @@ def trace_from_json(payload: dict[str, Any], where: str = "trace") -> Trace:
         block_classes={name: tuple(layers) if isinstance(layers, list) else layers
                        for name, layers in optional(payload, "block_classes", dict, where, {}).items()},
         frozen_param_bytes=optional(payload, "frozen_param_bytes", (int, type(None)), where, None),
+        output_dtype=optional(payload, "output_dtype", str, where, ""),
     )
     raise_problems(trace_problems(trace, where))
     return trace

@@ -132,14 +132,15 @@ def trace_problems(trace: Any, where: str) -> list[str]:
     for name in ("param_bytes", "partial_grad_bytes"):
         for segment, value in getattr(trace, name).items():
             if not _SEGMENT.match(str(segment)):
-                problems.append(f"{where}.{name}: segment {segment!r} is not 'outside', 'inputs' or 'layer <i>'")
+                problems.append(f"{where}.{name}: segment {segment!r} is not 'outside', 'inputs', 'tied' or "
+                                "'layer <i>'")
             problems += _number(value, f"{where}.{name}.{segment}", integer=True)
     # Classes compare units' structure, which needs well-formed units.
     return problems or block_class_problems(trace, where)
 
 
 #: A backward segment's name (``vocabulary.group_of``, or ``inputs``).
-_SEGMENT = re.compile(r"^(outside|inputs|layer \d+)$")
+_SEGMENT = re.compile(r"^(outside|inputs|tied|layer \d+)$")
 
 
 # -------------------------------------------------------------------- plans

@@ -36,6 +36,10 @@ CODEC_META_KEY = "hilore_codec"
 #: Name of the bucket whose samples reach the update with zero weight.
 ZERO_BUCKET = "zero"
 
+#: How a plan's note starts when GC's predicted peak is store-all's: an
+#: ``x-gc`` ceiling then does not ask for anything (``solver.planner``).
+GC_SAVES_NOTHING = "GC saves nothing at this shape"
+
 #: Codecs a plan may use unless told otherwise, in the backend, ``hilore trace``,
 #: ``hilore plan`` and ``hilore demo`` alike, so that one budget gives one plan
 #: everywhere. Others are opt-in by name (``codecs`` / ``--codecs``): int4

@@ -42,9 +42,10 @@ def solve_lengths(trace: Trace, options: BackendOptions, batch: int, seq_range: 
 def ceiling_at(trace: Trace, options: BackendOptions, batch: int, seq_len: int) -> int:
     """The memory ceiling ``options.memory_budget`` sets at one shape, in bytes
     (an ``x-gc`` budget: GC's predicted peak at that shape times x)."""
-    from ..solver import cost_model, parse_budget
+    from ..solver import parse_budget
+    from ..solver.planner import prepare
 
-    model = cost_model(trace, batch=batch, seq_len=seq_len, codecs=[], loss_ratio=options.loss_ratio)
+    _, model = prepare(trace, codecs=[], batch=batch, seq_len=seq_len, loss_ratio=options.loss_ratio)
     return parse_budget(options.memory_budget).bytes_at(gc_bytes=model.gc_bytes, store_bytes=model.store_bytes)
 
 

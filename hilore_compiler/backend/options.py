@@ -60,9 +60,11 @@ class BackendOptions:
     strict: bool = False
     #: The loss's own peak as a multiple of the compiled graph's outputs'
     #: bytes, when the loss runs after the graph (``bench.measure.loss_side``
-    #: measures it; 3.0 for token log-probs + the GRPO loss in fp32). 0: the
-    #: step's peak is modelled without the loss.
-    loss_ratio: float = 0.0
+    #: measures it; 3.0 for token log-probs + the GRPO loss in fp32). None,
+    #: the default: modelled from the outputs' dtype as fp32 token log-probs
+    #: (``solver.lossmodel``: 3 for fp32 logits, 8 for bf16); 0: the step's
+    #: peak is modelled without a loss (a graph that returns its loss).
+    loss_ratio: float | None = None
     #: GC's measured step peak in bytes: ``x-gc`` budgets are then multiples
     #: of it rather than of GC's predicted peak. None: the prediction.
     gc_peak_bytes: int | None = None
@@ -219,7 +221,8 @@ _EXPECTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_dir": (_path, "a folder path (str or os.PathLike)"),
     "verbose": (lambda v: isinstance(v, bool), "True or False"),
     "strict": (lambda v: isinstance(v, bool), "True or False"),
-    "loss_ratio": (_number, "a number >= 0 (the loss's peak over the graph outputs' bytes)"),
+    "loss_ratio": (lambda v: v is None or _number(v),
+                   "a number >= 0 (the loss's peak over the graph outputs' bytes) or None (modelled)"),
     "gc_peak_bytes": (lambda v: v is None or _positive_int(v), "a positive int (GC's measured peak in bytes) or None"),
     "max_seq_len": (lambda v: v is None or _positive_int(v), "a positive int (tokens per sequence) or None"),
     "min_seq_len": (lambda v: v is None or _positive_int(v), "a positive int (tokens per sequence) or None"),

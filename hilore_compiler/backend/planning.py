@@ -31,6 +31,7 @@ from ..passes.apply import PlanMismatchError
 from ..passes.capture import GraphCapture, capture_joint, lifted_args
 from ..planfile import Plan
 from ..tracefile import Trace
+from ..vocabulary import GC_SAVES_NOTHING
 from .cache import PlanCache, StaleCacheError
 # cache_key, trace_key, graph_shape: importable from here too, as harnesses and tests do.
 from .cachekey import cache_key, structure_key, trace_key  # noqa: F401
@@ -338,3 +339,6 @@ class GraphPlanner:
         say(options, f"traced {len(self.trace.units)} recovery units and solved a {options.memory_budget} "
                      f"plan with {len(self.plans[0].buckets)} buckets{lengths}"
                      + (f"; plan: {where} (inspect: hilore show)" if where else ""))
+        for note in self.plans[-1].notes:
+            if note.startswith(GC_SAVES_NOTHING):  # a ceiling that is not one: said once, when planned
+                say(options, note)

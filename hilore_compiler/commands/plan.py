@@ -51,10 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--length-buckets", type=int, default=1,
                    help="with a range: split it into at most this many length buckets where that pays, "
                         "one plan file each, PLAN.LO-HI.json (default 1)")
-    p.add_argument("--loss-ratio", type=float, default=0.0,
+    p.add_argument("--loss-ratio", type=float, default=None,
                    help="the loss's own peak as a multiple of the graph outputs' bytes, when the loss "
-                        "runs after the compiled graph (3.0 for fp32 token log-probs + GRPO loss; "
-                        "default 0: not modelled)")
+                        "runs after the compiled graph (0: a graph that returns its loss; default: "
+                        "modelled from the outputs' dtype as fp32 token log-probs, 3 for fp32 logits, "
+                        "8 for bf16)")
     p.add_argument("--gc-peak", type=int, default=None,
                    help="GC's measured step peak in bytes: x-gc budgets become multiples of it "
                         "(default: GC's peak as the memory model predicts it)")

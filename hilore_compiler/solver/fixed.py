@@ -32,7 +32,7 @@ def fixed_plan(trace: Trace | str | os.PathLike, decide: Decide, *,
                batch: int | None = None, seq_len: int | None = None,
                exposure_mix: Sequence[float] | str | os.PathLike | None = None,
                gradient_exposures: Sequence[float] | None = None,
-               label: str = "fixed", loss_ratio: float = 0.0, accumulate_gradients: bool = False) -> Plan:
+               label: str = "fixed", loss_ratio: float | None = None, accumulate_gradients: bool = False) -> Plan:
     """A plan with given decisions; raises ValueError when a decision breaks the
     rules (recompute from a compressed unit, an unusable codec, a non-recomputable unit).
 
@@ -84,7 +84,7 @@ def exposure_blind_plan(trace: Trace | str | os.PathLike, budget: str | int | fl
                         buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
                         codecs=None, batch: int | None = None, seq_len: int | None = None,
                         exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-                        gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0,
+                        gradient_exposures: Sequence[float] | None = None, loss_ratio: float | None = None,
                         gc_peak_bytes: int | None = None, accumulate_gradients: bool = False) -> Plan:
     """The control for exposure conditioning: the same memory and error budget,
     solved as if one bucket held the whole update (error share 1, the only safe

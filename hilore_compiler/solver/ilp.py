@@ -166,7 +166,8 @@ class _Bucket:
         for s, segment in enumerate(self.model.segments):
             signature = (tuple(self.alias[u.key] for u in segment.units), segment.needed_until, segment.readers,
                          tuple((self.alias[c.key], first, last) for c, first, last in segment.carried),
-                         self.model.step.gradient_bytes.get(segment.name, 0))
+                         self.model.step.gradient_bytes.get(segment.name, 0),
+                         self.model.step.outputs_in(segment.name))
             if signature not in shared:
                 shared[signature] = self._transient(s, segment)
             self.T[segment.name] = shared[signature]
@@ -175,7 +176,8 @@ class _Bucket:
         # T[g] covers what the backward of segment g holds at once besides kept
         # bytes and weight gradients (memory.py): at each cut p, the units
         # rebuilt there, g's recompute workspace or gradient workspace (the
-        # larger), and the outputs and their gradient (a constant). Unit u is
+        # larger), and the outputs and what is left of their gradient (a
+        # constant, ``StepTerms.outputs_in``). Unit u is
         # rebuilt at p when
         #   p in u's window:  it is not stored (1 - x[u,S]);
         #   p after it:       z[u,p] >= r[v,p] - x[u,S] for each reader v,
@@ -184,7 +186,7 @@ class _Bucket:
         byte_unit, prob = self.problem.byte_unit, self.problem.prob
         step, units = self.model.step, segment.units
         gradient = step.gradient_bytes.get(segment.name, 0)
-        outputs = 2 * step.output_bytes
+        outputs = step.outputs_in(segment.name)
         floor = (outputs + gradient) / byte_unit if segment.name in step.gradient_bytes else 0.0
         if all(u.options == (STORE,) for u in (*units, *(c for c, _, _ in segment.carried))):
             return floor  # nothing rebuilt

@@ -109,7 +109,7 @@ def _ceilings(models: Sequence[CostModel], budget: Any, gc_peak_bytes: int | Non
 def solve_range(trace: Trace | str | os.PathLike, seq_range: tuple[int, int], budget: str | int | float = "1.10x-gc",
                 *, risk_budget: float | str | None = None, buckets: Any = 3, codecs: Sequence[str] | str | None = None,
                 batch: int | None = None, length_mix: Sequence[int] | None = None, exposure_mix: Any = None,
-                gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0,
+                gradient_exposures: Sequence[float] | None = None, loss_ratio: float | None = None,
                 gc_peak_bytes: int | None = None, accumulate_gradients: bool = False, options: Any = None,
                 progress: Progress | None = None, grid_points: int = GRID_POINTS) -> Plan:
     """One plan that holds at every sequence length in ``seq_range = (lo, hi)``.

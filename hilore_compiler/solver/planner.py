@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..planfile import BucketSpec, Plan, SolverStats
 from ..tracefile import Trace
-from ..vocabulary import check_codecs
+from ..vocabulary import GC_SAVES_NOTHING, STORE, check_codecs
 from .assembly import (bucket_plan, bucket_summary, memory_records, mix_exposures, plan_units, planned_shares,
                        skip_bucket)
 from .budget import Budget, format_bytes, format_seconds, parse_budget
@@ -28,7 +28,8 @@ from .cbc import SolverOptions, check_cbc, reporting
 from .limits import Deadline, PlanningLimits, check_units, load_bounded
 from .ilp import BucketWeight, expected_time_s
 from .solving import blind_min_time, solve_min_memory, solve_min_time
-from .memory import CostModel, Prediction, cost_model, rule_violations, simulate
+from .lossmodel import modelled_loss_ratio
+from .memory import CostModel, Prediction, cost_model, peak_parts, rule_violations, simulate
 from .mix import zero_share
 from .risk import (
     DEFAULT_NUM_BUCKETS,
@@ -79,10 +80,11 @@ def allowed_codecs(trace: Trace, codecs: Sequence[str] | str | None) -> tuple[st
 
 
 def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | None,
-            batch: int | None, seq_len: int | None, loss_ratio: float = 0.0,
+            batch: int | None, seq_len: int | None, loss_ratio: float | None = None,
             accumulate_gradients: bool = False, limits: PlanningLimits | None = None) -> tuple[Trace, CostModel]:
     """Load the trace if given a path and evaluate its costs at the planned shape; a trace
-    with more units than ``limits.max_units`` is refused before either."""
+    with more units than ``limits.max_units`` is refused before either. ``loss_ratio``
+    None: the loss modelled from the trace's outputs (``lossmodel``)."""
     limits = limits or PlanningLimits()
     if isinstance(trace, (str, os.PathLike)):
         trace = load_bounded(trace, limits)
@@ -94,6 +96,8 @@ def prepare(trace: Trace | str | os.PathLike, *, codecs: Sequence[str] | str | N
     for name, value in (("batch", batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if loss_ratio is None:
+        loss_ratio = modelled_loss_ratio(trace.output_dtype)
     if not (isinstance(loss_ratio, (int, float)) and math.isfinite(loss_ratio) and loss_ratio >= 0):
         raise ValueError(f"loss_ratio must be a finite number >= 0 (the loss's peak over its input's "
                          f"bytes), got {loss_ratio!r}")
@@ -261,7 +265,8 @@ def solve(trace: Trace | str | os.PathLike, memory_budget: str | int | float = D
           buckets: int | Sequence[BucketSpec | tuple] = DEFAULT_NUM_BUCKETS,
           codecs: Sequence[str] | str | None = None, batch: int | None = None,
           seq_len: int | None = None, *, exposure_mix: Sequence[float] | str | os.PathLike | None = None,
-          gradient_exposures: Sequence[float] | None = None, loss_ratio: float = 0.0, gc_peak_bytes: int | None = None,
+          gradient_exposures: Sequence[float] | None = None, loss_ratio: float | None = None,
+          gc_peak_bytes: int | None = None,
           accumulate_gradients: bool = False, options: SolverOptions | None = None,
           progress: Progress | None = None, limits: PlanningLimits | None = None,
           budget: str | int | float | None = None) -> Plan:
@@ -272,7 +277,9 @@ def solve(trace: Trace | str | os.PathLike, memory_budget: str | int | float = D
     ``"0.5x-store"``; it bounds the step's predicted peak (``memory.py``), and
     ``x-gc`` is relative to GC's predicted peak, or to ``gc_peak_bytes`` when
     given (GC's measured peak). ``loss_ratio``: the loss's own peak as a
-    multiple of the graph's outputs' bytes (``bench.measure.loss_side``; 0: not known).
+    multiple of the graph's outputs' bytes (``bench.measure.loss_side`` measures it;
+    0 leaves the loss out; None, the default, models it from the outputs' dtype:
+    ``lossmodel``).
     ``risk_budget``: the whole update's squared relative gradient error, or
     ``"cos>=0.999"`` (the default; ``risk.py``). ``buckets``: a count (split
     at the mix's quantiles, ``risk.default_buckets``) or explicit
@@ -307,6 +314,19 @@ def solve(trace: Trace | str | os.PathLike, memory_budget: str | int | float = D
                       limits=limits)
 
 
+def gc_saves_nothing(model: CostModel) -> str:
+    """The note a plan carries when GC's predicted peak is store-all's: an
+    ``x-gc`` ceiling then holds store-all, and no plan needs to give up time."""
+    return (f"{GC_SAVES_NOTHING}: its predicted peak ({format_bytes(model.gc_bytes)}) is store-all's "
+            f"({format_bytes(model.store_bytes)}), both at {peak_phase(model)}, where activations are freed; "
+            "a ceiling of 1x-gc or more stores every unit")
+
+
+def peak_phase(model: CostModel) -> str:
+    """Where store-all's predicted peak falls (``memory.peak_parts``)."""
+    return peak_parts(model, {u.key: STORE for u in model.units}).at
+
+
 def check_gc_peak(gc_peak_bytes: int | None) -> None:
     """Refuse a ``gc_peak_bytes`` that is not a positive int: ``x-gc`` budgets are multiples of it."""
     if gc_peak_bytes is not None and not (isinstance(gc_peak_bytes, int) and gc_peak_bytes > 0):
@@ -315,7 +335,7 @@ def check_gc_peak(gc_peak_bytes: int | None) -> None:
 
 def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: int, risk_budget: float,
                buckets: int | Sequence[BucketSpec | tuple], exposure_mix: Sequence[float] | str | os.PathLike | None,
-               gradient_exposures: Sequence[float] | None, loss_ratio: float, gc_peak_bytes: int | None,
+               gradient_exposures: Sequence[float] | None, loss_ratio: float | None, gc_peak_bytes: int | None,
                accumulate_gradients: bool, options: SolverOptions | None, progress: Progress | None,
                limits: PlanningLimits | None = None) -> Plan:
     """``solve`` on an evaluated cost model, under ``budget_bytes``; ``risk_budget`` parsed.
@@ -357,8 +377,13 @@ def plan_model(trace: Trace, model: CostModel, *, budget: Budget, budget_bytes: 
                      f"(predicted {model.gc_bytes}); predicted peaks kept {headroom:.0%} under it "
                      "for the memory model's error")
     if model.step.output_bytes:
+        ratio = model.step.loss_bytes / model.step.output_bytes
+        source = (f"modelled for {trace.output_dtype or 'unknown'} outputs" if loss_ratio is None
+                  else "given")
         notes.append(f"step terms: outputs {model.step.output_bytes} bytes, loss {model.step.loss_bytes} "
-                     f"bytes (loss_ratio {loss_ratio:g})")
+                     f"bytes (loss_ratio {ratio:.3g}, {source})")
+    if model.gc_bytes >= model.store_bytes:
+        notes.append(gc_saves_nothing(model))
     if accumulate_gradients:
         notes.append(f"gradients accumulate over microbatches: {model.step.held_gradient_bytes} bytes of "
                      "weight gradients alive through every phase")

@@ -122,14 +122,22 @@ def output_bytes_expr(joint: fx.GraphModule, symbols) -> sympy.Expr:
     return total_nbytes(tangents, symbols)
 
 
-def output_dtype(joint: fx.GraphModule) -> str:
-    """The dtype of the largest output backward differentiates (the logits), as
-    ``str(torch.dtype)`` without ``torch.``; "" when there is none."""
-    tangents = [n.meta["val"] for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")
-                and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()]
+def output_dtype(joint: fx.GraphModule, batch: int, seq_len: int) -> str:
+    """The dtype of the graph's logits, which a loss after the graph reads
+    (``solver.lossmodel``), as ``str(torch.dtype)`` without ``torch.``; "" when
+    the graph has none: no differentiated output, or one no wider than a
+    hidden state the graph takes in (a block compiled alone, whose output
+    the next block reads, not a loss)."""
+    floats = [(n.name, n.meta["val"]) for n in joint.graph.nodes if n.op == "placeholder"
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()]
+    tangents = [v for name, v in floats if name.startswith("tangents")]
     if not tangents:
         return ""
     largest = max(tangents, key=lambda v: size_hint(v.numel()) * v.element_size())
+    hidden = [size_hint(v.shape[-1]) for name, v in floats if not name.startswith("tangents")
+              and v.dim() >= 2 and tuple(size_hint(d) for d in v.shape[:2]) == (batch, seq_len)]
+    if largest.dim() == 0 or size_hint(largest.shape[-1]) <= max(hidden, default=0):
+        return ""
     return str(largest.dtype).removeprefix("torch.")
 
 
@@ -332,7 +340,7 @@ def trace_captures(captures: Sequence[GraphCapture], batch: int, seq_len: int, c
         gc_total += gc_bytes_expr(capture.joint, graph_units, symbols, batch, seq_len, boundary) + workspace
         store_total += sum((parse_size(u.bytes) for u in profiled), sympy.Integer(0))
         output_total += output_bytes_expr(capture.joint, symbols)
-        dtypes.append(output_dtype(capture.joint))
+        dtypes.append(output_dtype(capture.joint, batch, seq_len))
         for segment, nbytes, readers in trained_parameters(capture.joint, symbols, batch, seq_len):
             if segment == TIED_PARTIALS:  # partials add up: each tied weight has one beside its sum
                 partial_grad_bytes[segment] = partial_grad_bytes.get(segment, 0) + nbytes

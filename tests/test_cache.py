@@ -130,7 +130,7 @@ def test_the_partitioner_pickles_to_its_identity_not_its_tensors():
 
     from hilore_compiler.backend.partitioner import PlanPartitioner
 
-    planner = SimpleNamespace(plan=None, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
+    planner = SimpleNamespace(plan=None, cache=None, real_args=[torch.zeros(1 << 20)])  # 4 MB of "parameters"
     assert len(pickle.dumps(PlanPartitioner(planner, None, None, []))) < 200
 
 

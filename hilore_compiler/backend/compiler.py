@@ -129,6 +129,11 @@ class HiLoReBackend:
         records: list[PartitionRecord] = []
         first = PlanPartitioner(planner, None, None, records)
         compiled_first = _compile_variant(gm, example_inputs, first)
+        if first.keyed_by_cache and first.plan_used is None and not records:
+            # Inductor served a graph partitioned for a plan hilore's cache no
+            # longer holds (its folder cleared, Inductor's kept): plan afresh.
+            first = PlanPartitioner(planner, None, None, records, fresh=True)
+            compiled_first = _compile_variant(gm, example_inputs, first)
         plan = first.plan_used
         if plan is None or first.bucket_used is None and records:
             # Nothing planned (no backward, nothing saved, or a fallback).

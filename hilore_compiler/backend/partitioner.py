@@ -154,7 +154,8 @@ class PlanPartitioner(CustomPartitionerFn):
     default bucket; ``plan_used`` and ``bucket_used`` say which they were.
     """
 
-    def __init__(self, planner: GraphPlanner, plan: Plan | None, bucket: str | None, records: list[PartitionRecord]):
+    def __init__(self, planner: GraphPlanner, plan: Plan | None, bucket: str | None, records: list[PartitionRecord],
+                 *, fresh: bool = False):
         self.planner, self.plan, self.bucket, self.records = planner, plan, bucket, records
         # Known before the compile, it is the plan used even when Inductor's
         # cache serves the compiled graph and this partitioner never runs
@@ -162,18 +163,37 @@ class PlanPartitioner(CustomPartitionerFn):
         # timed and measured workers do).
         self.plan_used: Plan | None = plan or planner.plan
         self.bucket_used: str | None = bucket
-        # Known before the compile: the cache may serve a graph partitioned
-        # for exactly this plan and bucket. Unknown: never serve a cached one.
-        # A None identity does not stop Inductor's FX graph cache (torch 2.13
-        # keys it as "None", so two zero-config compiles of one graph with
-        # different options were served each other's graph): a fresh random
-        # identity does.
-        self._uuid = f"unplanned-{uuid_module.uuid4().hex}"
-        known = plan or planner.plan
+        #: Whether this partitioner's identity is its zero-config plan's cache
+        #: key rather than the plan itself (``uuid``).
+        self.keyed_by_cache = False
+        self._uuid = self._identity(fresh)
+
+    def _identity(self, fresh: bool) -> str:
+        """What Inductor's caches key this partition by (``uuid``).
+
+        A zero-config plan of the compiled call's length is named by its
+        hilore cache key, known before the plan is: the first process plans
+        inside this call and Inductor files the graph under that name, and
+        the next process, which reads the plan from hilore's cache, asks for
+        the same name and is served (a plan made in the call had a random
+        name, so a second process compiled everything again: 18.8 s against
+        4.9 s once both caches held it, on a 2-layer Qwen2). A plan given or
+        re-solved is named by its contents. Otherwise, or ``fresh``, a random
+        name serves nothing: a None identity does not stop Inductor's FX graph
+        cache (torch 2.13 keys it as "None", so two zero-config compiles of
+        one graph with different options were served each other's graph).
+        """
+        cache = self.planner.cache
+        if self.plan is None and cache is not None and cache.folder is not None and not fresh:
+            self.keyed_by_cache = True
+            payload = json.dumps(["zero-config", cache.key, self.planner.seq_range, self.bucket, code_digest()])
+            return hashlib.sha256(payload.encode()).hexdigest()
+        known = None if fresh else self.plan or self.planner.plan
         if known is not None:
-            payload = json.dumps([known.fingerprint, known.to_json(), bucket, code_digest()],
+            payload = json.dumps([known.fingerprint, known.to_json(), self.bucket, code_digest()],
                                  sort_keys=True, default=str)
-            self._uuid = hashlib.sha256(payload.encode()).hexdigest()
+            return hashlib.sha256(payload.encode()).hexdigest()
+        return f"unplanned-{uuid_module.uuid4().hex}"
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()

@@ -50,6 +50,19 @@ def test_a_model_reference_carries_its_options_and_reads_back(qwen2):
         parse_model_ref(f"hf:{qwen2}?layers=0")
 
 
+@pytest.mark.parametrize("name, widths", [
+    ("qwen2.5-0.5b", (24, 896, 4864, 151936, True)), ("Qwen2.5-3B", (36, 2048, 11008, 151936, True)),
+    ("llama-3.2-1b", (16, 2048, 8192, 128256, True))])
+def test_bundled_configs_give_real_widths_without_a_download(name, widths):
+    from hilore_compiler.models.hf_config import bundled_names, config_path, load_config
+
+    assert name.lower() in bundled_names() and config_path(name).is_file()
+    config = load_config(parse_model_arg(f"hf:{name}"))
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
+            config.tie_word_embeddings) == widths
+    assert config_path("Org/not-bundled") == Path("Org/not-bundled")  # a hub name stays one
+
+
 def test_bench_folds_the_hf_options_into_the_model_it_hands_its_workers(qwen2):
     from hilore_compiler.commands.policy import model_ref
 
@@ -176,5 +189,13 @@ def test_compile_cost_compiles_the_hf_model_at_its_depth(qwen2, tmp_path, capsys
     assert code == 0, printed
     report = json.loads(out.read_text())
     assert report["config"]["depths"] == [6] and report["config"]["model"] == f"hf:{qwen2}?lora=4"
-    assert [(r["method"], r["status"]) for r in report["rows"]] == [("inductor", "ok"), ("hilore", "ok")]
-    assert re.search(r"6 layers: hilore/inductor first compile [\d.]+x", printed)
+    assert [(r["method"], r["caches"], r["status"]) for r in report["rows"]] == [
+        (m, c, "ok") for m in ("inductor", "hilore", "hilore-roofline") for c in ("fresh", "warm")]
+    assert re.search(r"6 layers, fresh caches: hilore/inductor first compile [\d.]+x", printed)
+    rows = {(r["method"], r["caches"]): r for r in report["rows"]}
+    # A second process with hilore's plan cached is served by Inductor's own caches, as plain Inductor's is.
+    for method in ("inductor", "hilore", "hilore-roofline"):
+        assert rows[method, "fresh"]["cache_hits"]["aot_autograd"] == 0
+        assert rows[method, "warm"]["cache_hits"]["aot_autograd"] >= 1, rows[method, "warm"]
+    assert any("profiling" in line for line in rows["hilore", "fresh"]["breakdown"])
+    assert not any("profiling" in line for line in rows["hilore-roofline", "fresh"]["breakdown"])

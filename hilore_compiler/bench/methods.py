@@ -5,6 +5,8 @@ in what the backward pass gets to keep:
 
 - ``store-all``: Inductor defaults (its min-cut partition), the speed ceiling.
 - ``gc``: ``torch.utils.checkpoint`` (non-reentrant) around every decoder layer.
+- ``gc-eager``: the same, not compiled (``--memory-check`` only: the eager
+  trainer's GC, against which a compiled step is often measured).
 - ``sac``: selective activation checkpointing as torchtitan does it: inside
   each layer, matmul and attention outputs are saved, the rest recomputed.
 - ``sac-op``: torchtitan's op-level selective AC, its real policy
@@ -80,8 +82,8 @@ from .checkpointing import op_selective_context_fn, selective_context_fn, wrap_l
 #: Method names in the order they are set up (``hilore`` before
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
-METHODS = ("store-all", "gc", "sac", "sac-op", "sac-layer2", "gc-int8", *offload.METHODS, "hilore", "hilore-blind",
-           "uniform-int8", "int8-recompute", sac_milp.METHOD, *peers.SEARCHED, "gc-chunked", "hilore-step")
+METHODS = ("store-all", "gc", "gc-eager", "sac", "sac-op", "sac-layer2", "gc-int8", *offload.METHODS, "hilore",
+           "hilore-blind", "uniform-int8", "int8-recompute", sac_milp.METHOD, *peers.SEARCHED, "gc-chunked", "hilore-step")
 
 #: Methods that refuse a CPU device, each saying why when prepared.
 CUDA_ONLY = (*offload.METHODS, sac_milp.METHOD, *(m for m, s in peers.PT_BUDGETS.items() if s.needs_cuda))
@@ -97,6 +99,7 @@ DEFAULT_METHODS = ("store-all", "gc", "sac", "hilore", "hilore-blind", "uniform-
 LABELS = {
     "store-all": "store-all",
     "gc": "GC",
+    "gc-eager": "GC, eager",
     "sac": "selective AC",
     "sac-op": "selective AC (op, torchtitan)",
     "sac-layer2": "selective AC (every 2nd layer)",
@@ -152,7 +155,10 @@ class MethodOptions:
     verbose: bool = True
     #: The loss's peak over the logits' bytes (``measure.loss_side``), which
     #: HiLoRe's memory model adds to the step; the worker measures it.
-    loss_ratio: float = 0.0
+    loss_ratio: float | None = None
+    #: The hilore workers measure the loss's peak (``loss_ratio``) before
+    #: planning; False leaves it to the backend's model (a zero-config compile).
+    measure_loss: bool = True
     #: GC's measured peak (bytes): ``x-gc`` budgets are multiples of it; None:
     #: of GC's predicted peak. The runner sets it from the warm-up of the GC
     #: that runs the same step (``launcher.REFERENCE_GC``): ``gc`` for ``hilore``
@@ -191,7 +197,7 @@ class PreparedMethod:
     record: Callable[[], dict[str, Any]] = dict
 
 
-def uniform_plan(trace: Any, codec: str, loss_ratio: float = 0.0, **terms: Any) -> Plan:
+def uniform_plan(trace: Any, codec: str, loss_ratio: float | None = None, **terms: Any) -> Plan:
     """A plan with ``compress:<codec>`` on every unit where the codec is usable, else ``store``.
 
     One bucket (one compiled variant): the decisions ignore exposure and cost.
@@ -297,6 +303,8 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
         return PreparedMethod(name=name, policy=torch.compile(model))
     if name == "gc":
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model)))
+    if name == "gc-eager":
+        return PreparedMethod(name=name, policy=wrap_layers(model))
     if name == "sac":
         return PreparedMethod(name=name, policy=torch.compile(wrap_layers(model, selective_context_fn())))
     if name == "sac-op":

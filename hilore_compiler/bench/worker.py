@@ -115,7 +115,7 @@ class Worker:
         # uses the step's own (on-policy), so no forward is spent on them here.
         self.old_logprobs = self._old_logprobs() if config.method in STEP_METHODS else None
         options = config.options
-        if config.method in HILORE_BACKENDS and config.method not in STEP_METHODS:
+        if config.method in HILORE_BACKENDS and config.method not in STEP_METHODS and options.measure_loss:
             # The eager loss after the compiled policy is part of the step's
             # peak: measure it here, before the first call plans.
             options = dataclasses.replace(options, loss_ratio=plan_loss_ratio(self._loss_ratio()))
@@ -155,6 +155,18 @@ class Worker:
             self.model.zero_grad(set_to_none=True)
             samples.append(measure_step(self._step, self.device))
         return samples
+
+    def tensor_peak(self) -> dict[str, Any]:
+        """One step's peak in tensor bytes (the CPU allocator's, ``measure.allocator_peak``):
+        what the memory model predicts, without the process's own heap and
+        libraries' buffers that VmHWM adds. Profiled, the step leaves the heap
+        changed: ask for it after the measured steps."""
+        from .measure import allocator_peak
+
+        if self.device.type != "cpu":
+            return {"tensor_peak_bytes": self.measure(1)[0].peak_bytes}
+        self.model.zero_grad(set_to_none=True)
+        return {"tensor_peak_bytes": allocator_peak(self._step)}
 
     def setup(self) -> dict[str, Any]:
         start = time.perf_counter()

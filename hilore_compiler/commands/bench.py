@@ -113,6 +113,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="first-compile seconds, step time and kernels of plain Inductor and zero-config hilore "
                         "on a Hugging Face Llama from a config (hidden 128, batch 2, seq 256, fp32), back to back "
                         "in fresh processes at each of --depths (bench/compile_cost.py; --quick: tiny)")
+    p.add_argument("--memory-check", action="store_true",
+                   help="predicted against measured whole-step peaks: store-all, GC compiled and eager, and "
+                        "zero-config HiLoRe (1.10x-gc, the loss modelled), each in a fresh process measuring "
+                        "peaks only, on --model (hf:qwen2.5-0.5b ...), --batch, --seq-len, --dtype "
+                        "(bench/memory_check.py); memory-check-<model>-b<B>-t<T>.json")
     p.add_argument("--depths", type=functools.partial(length_list, flag="--depths"),
                    help="with --compile-cost: the Llama's layer counts (default 2,8,32)")
     p.add_argument("--nproc", type=int,
@@ -216,6 +221,32 @@ def run_compile_cost(args: argparse.Namespace) -> int:
         else f"llama-h{config.hidden}"
     output = Path(args.output or RESULTS_DIR / f"compile-cost-{name}-l{depths}.json")
     report = run_bench(config, _progress)
+    _save_report(report, output, format_table)
+    return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
+
+
+def run_memory_check(args: argparse.Namespace) -> int:
+    """``--memory-check``: run, print the table, save the JSON."""
+    from ..bench.memory_check import METHODS, MemoryCheckConfig, format_table, run_memory_check as run_check
+    from ..bench.runner import resolve_device
+
+    values: dict = {"model": args.model or "small", "device": resolve_device(args.device or "auto")}
+    values.update({k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len), ("dtype", args.dtype),
+                                     ("threads", args.threads), ("seed", args.seed), ("warmup", args.warmup),
+                                     ("cache_dir", args.cache_dir)) if v is not None})
+    if args.methods:
+        values["methods"] = comma_list(args.methods)
+    try:
+        config = MemoryCheckConfig(**values)
+        if set(config.methods) - set(METHODS):
+            raise ValueError(f"--memory-check runs {', '.join(METHODS)}")
+    except ValueError as e:
+        print(f"hilore bench: error: {e}", file=sys.stderr)
+        return 2
+    dtype = "" if config.dtype == "float32" else f"-{config.dtype}"
+    output = Path(args.output or RESULTS_DIR / f"memory-check-{_slug(config.model)}-b{config.batch}"
+                                               f"-t{config.seq_len}{dtype}.json")
+    report = run_check(config, _progress)
     _save_report(report, output, format_table)
     return 1 if any(r["status"] != "ok" for r in report["rows"]) else 0
 
@@ -332,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
         return run_actor(args)
     if args.compile_cost:
         return run_compile_cost(args)
+    if args.memory_check:
+        return run_memory_check(args)
     if args.verl_zero:
         return run_zero_shares(args)
     if args.lengths:

@@ -285,3 +285,19 @@ def test_measured_times_are_summarised_in_every_trace(tiny_trace):
     times += [c.time_s for u in tiny_trace.units for c in u.codecs.values() if c.source == "measured"]
     assert len(times) > 10
     assert all(t == round_seconds(t) for t in times)
+
+
+def test_codec_errors_of_large_activations_come_from_a_sample_of_whole_rows():
+    """A real-width activation's round-trip error is measured on spread rows, not
+    every element, and agrees with the whole tensor's (``profile.error_sample``)."""
+    from hilore_compiler import codecs
+    from hilore_compiler.passes.profile import ERROR_SAMPLE_ELEMENTS, _codec_error, error_sample
+
+    t = torch.randn(2, 2048, 1024, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 1024)
+    sample = error_sample(t)
+    assert sample.shape[1] == 1024 and sample.numel() <= ERROR_SAMPLE_ELEMENTS < t.numel()
+    assert error_sample(t[0, :16]).shape == (16, 1024)  # small: whole
+    for name in ("int8", "int4"):
+        codec = codecs.get_codec(name)
+        whole = float((codec.decode(codec.encode(t), t.dtype) - t).norm() / t.norm())
+        assert _codec_error(codec, [t])[0] == pytest.approx(whole, rel=0.02)

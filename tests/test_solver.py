@@ -24,7 +24,7 @@ from hilore_compiler.solver.budget import format_bytes
 from hilore_compiler.solver.cbc import SolverOptions
 from hilore_compiler.solver.memory import rule_violations
 from hilore_compiler.solver.risk import plan_risk
-from hilore_compiler.solver.planner import MEASURED_CEILING_HEADROOM, verify, verify_risk
+from hilore_compiler.solver.planner import CEILING_HEADROOM, verify, verify_risk
 from hilore_compiler.solver.ilp import BucketWeight
 from hilore_compiler.solver.risk import PROXY_FACTOR, cosine_to_error2, parse_risk_budget
 from hilore_compiler.solver.synthetic import SyntheticConfig, random_trace, synthetic_trace
@@ -120,9 +120,9 @@ def test_infeasible_budget_relative_to_measured_gc_names_a_ratio_of_it():
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(trace, "0.01x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
     ratio = re.search(r"(\d+\.\d+)x-gc", str(info.value).split("smallest")[1])[1]
-    assert float(ratio) == pytest.approx(least / (1 - MEASURED_CEILING_HEADROOM) / measured, abs=1e-3)
+    assert float(ratio) == pytest.approx(least / (1 - CEILING_HEADROOM) / measured, abs=1e-3)
     plan = solve(trace, f"{ratio}x-gc", risk_budget=RISK, buckets=ONE_BUCKET, gc_peak_bytes=measured)
-    assert plan.bucket("b").memory_bytes <= float(ratio) * measured * (1 - MEASURED_CEILING_HEADROOM)
+    assert plan.bucket("b").memory_bytes <= float(ratio) * measured * (1 - CEILING_HEADROOM)
 
 
 def test_larger_budget_never_gives_a_slower_plan():
@@ -352,10 +352,12 @@ def test_x_gc_budget_follows_a_measured_gc_peak():
     predicted = solve(trace, "1.5x-gc", buckets=1)
     measured = solve(trace, "1.5x-gc", buckets=1, gc_peak_bytes=predicted.gc_bytes * 2)
     assert measured.budget_bytes == math.floor(1.5 * predicted.gc_bytes * 2)
-    assert any("measured peak" in n and "1% under it" in n for n in measured.notes)
-    # Under a measured ceiling the predictions keep headroom for the model's error.
-    ceiling = math.floor(measured.budget_bytes * (1 - MEASURED_CEILING_HEADROOM))
-    assert all(b.memory_bytes <= ceiling for b in measured.buckets if not b.skip)
+    assert any("measured peak" in n for n in measured.notes)
+    assert any("1% under the ceiling" in n for n in measured.notes + predicted.notes)
+    # Under a ceiling relative to GC the predictions keep headroom for the model's error.
+    for plan in (measured, predicted):
+        ceiling = math.floor(plan.budget_bytes * (1 - CEILING_HEADROOM))
+        assert all(b.memory_bytes <= ceiling for b in plan.buckets if not b.skip)
     with pytest.raises(ValueError, match="gc_peak_bytes"):
         solve(trace, "1.5x-gc", gc_peak_bytes=-1)
     with pytest.raises(ValueError, match="loss_ratio"):

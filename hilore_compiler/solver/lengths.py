@@ -35,7 +35,7 @@ from ..tracefile import Trace
 from .budget import format_bytes, parse_budget
 from .cbc import check_cbc
 from .memory import CostModel, simulate
-from .planner import (MEASURED_CEILING_HEADROOM, InfeasibleBudgetError, check_gc_peak, plan_model, prepare,
+from .planner import (ceiling_headroom, InfeasibleBudgetError, check_gc_peak, plan_model, prepare,
                       Progress)
 from .risk import parse_risk_budget
 
@@ -134,7 +134,7 @@ def solve_range(trace: Trace | str | os.PathLike, seq_range: tuple[int, int], bu
         models.append(model)
     parsed = parse_budget(budget)
     ceilings = _ceilings(models, parsed, gc_peak_bytes)
-    headroom = MEASURED_CEILING_HEADROOM if gc_peak_bytes is not None else 0.0
+    headroom = ceiling_headroom(parsed, gc_peak_bytes)
     mixed = mixed_time_model(models, weights)
     solve_kwargs = dict(budget=parsed, risk_budget=error2, buckets=buckets, exposure_mix=exposure_mix,
                         gradient_exposures=gradient_exposures, loss_ratio=loss_ratio, gc_peak_bytes=gc_peak_bytes,

@@ -21,9 +21,11 @@
 #      tests/test_cuda_peers.py: the CUDA-only peers on the tiny model, each
 #      step's gradient against store-all's and the offloads' peaks below
 #      GC's and sac-op's (eager or without Inductor: seconds);
-#   5. the CUDA-only peers (gc-offload, sac-offload, sac-milp) on the same
+#   5. hilore bench --memory-check on Qwen2.5-0.5B's widths (4 layers, bf16,
+#      2 x 2048): the memory model against CUDA's allocator;
+#   6. the CUDA-only peers (gc-offload, sac-offload, sac-milp) on the same
 #      frontier as 3, in a bench of their own, in the time left;
-#   6. the backend tests on that machine's torch, if time is left.
+#   7. the backend tests on that machine's torch, if time is left.
 #
 # Before the session, from the repository root on a machine with the index:
 #
@@ -120,6 +122,18 @@ copy_worker_logs
 step test_cuda 150 "${PYTEST[@]}" tests/test_cuda.py tests/test_measure.py tests/test_cuda_peers.py
 tests_rc=$?
 
+# The memory model at real widths on CUDA's allocator (issue 69): Qwen2.5-0.5B's
+# shipped config, four layers, bf16, 2 x 2048: store-all, GC and zero-config
+# HiLoRe against the plan's predictions (the CPU's figures are in
+# docs/benchmarks.md, "Real widths"). MEMCHECK_ARGS=none skips it.
+read -r -a memcheck_args <<<"${MEMCHECK_ARGS:---memory-check --device cuda --dtype bfloat16 --model hf:qwen2.5-0.5b \
+--layers 4 --batch 2 --seq-len 2048 --methods store-all,gc,hilore -o $OUT/memory-check-qwen25-05b-l4-cuda.json}"
+memcheck_rc=skipped
+if [[ ${memcheck_args[0]:-none} != none ]]; then
+    step memory_check 150 python3 -m hilore_compiler bench "${memcheck_args[@]}"
+    memcheck_rc=$?
+fi
+
 # The peers of issue 53 that run on CUDA only, in a bench of their own so that
 # neither their failure nor a time-out loses the frontier above, and after the
 # tests so that they take only the time the steps before them leave (the
@@ -140,4 +154,5 @@ fi
 
 step backend_tests 120 "${PYTEST[@]}" tests/test_backend.py tests/test_any_graph.py
 
-log "done: test_cuda exit $tests_rc, bench exit $bench_rc, cuda_peers exit $peers_rc; $(left)s left"
+log "done: test_cuda exit $tests_rc, bench exit $bench_rc, memory_check exit $memcheck_rc, cuda_peers exit $peers_rc; \
+$(left)s left"

@@ -225,3 +225,51 @@ def test_writers_leftover_temporary_files_are_removed_when_the_cache_opens(tmp_p
     os.utime(left, (old, old))
     PlanCache.open(str(tmp_path), "key", BackendOptions(cache_dir=str(tmp_path), verbose=False))
     assert not left.exists() and live.exists()
+
+
+_ZERO_CONFIG_ONCE = """
+import json, sys, torch
+from torch import nn
+from hilore_compiler.backend import HiLoReBackend
+from torch._dynamo.utils import counters
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+backend = HiLoReBackend({"cache_dir": sys.argv[1], "codecs": [], "buckets": 1, "verbose": False, "strict": True})
+torch.compile(model, backend=backend, dynamic=False)(torch.randn(4, 8)).pow(2).mean().backward()
+(graph,) = backend.graphs
+print(json.dumps({"hits": counters["aot_autograd"]["autograd_cache_hit"], "records": len(graph.records),
+                  "fingerprint": graph.plan and graph.plan.fingerprint, "source": graph.planner.source}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_is_served_by_inductors_caches_for_a_zero_config_plan(tmp_path):
+    """The first process plans inside Inductor's partitioner; the second reads the plan
+    from hilore's cache and must be served Inductor's compiled graph, as plain
+    Inductor's second process is (before, the first filed its graph under a random
+    identity and the second compiled everything again). Then, with hilore's cache
+    cleared and Inductor's kept, a third process plans again instead of running a
+    graph whose plan it no longer knows."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", _ZERO_CONFIG_ONCE, str(tmp_path / "hilore")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["hits"] == 0 and first["records"] >= 1 and first["source"] == "made"
+    assert second["hits"] == 1 and second["records"] == 0 and second["source"] == "cache"
+    assert second["fingerprint"] == first["fingerprint"]
+    shutil.rmtree(tmp_path / "hilore")
+    third = run()
+    assert third["records"] >= 1 and third["source"] == "made" and third["fingerprint"] == first["fingerprint"]

@@ -193,9 +193,10 @@ def test_compile_cost_compiles_the_hf_model_at_its_depth(qwen2, tmp_path, capsys
         (m, c, "ok") for m in ("inductor", "hilore", "hilore-roofline") for c in ("fresh", "warm")]
     assert re.search(r"6 layers, fresh caches: hilore/inductor first compile [\d.]+x", printed)
     rows = {(r["method"], r["caches"]): r for r in report["rows"]}
-    # A second process with hilore's plan cached is served by Inductor's own caches, as plain Inductor's is.
-    for method in ("inductor", "hilore", "hilore-roofline"):
-        assert rows[method, "fresh"]["cache_hits"]["aot_autograd"] == 0
-        assert rows[method, "warm"]["cache_hits"]["aot_autograd"] >= 1, rows[method, "warm"]
+    # A second process with hilore's plan cached is served by Inductor's own caches as plain
+    # Inductor's is (test_cache.py checks the hits themselves), and plans nothing.
+    for method in ("hilore", "hilore-roofline"):
+        assert rows[method, "warm"]["cache_hits"] == rows["inductor", "warm"]["cache_hits"], rows[method, "warm"]
+        assert not any("profiling" in line for line in rows[method, "warm"]["breakdown"])
     assert any("profiling" in line for line in rows["hilore", "fresh"]["breakdown"])
     assert not any("profiling" in line for line in rows["hilore-roofline", "fresh"]["breakdown"])

@@ -109,8 +109,11 @@ def _worker(config: dict[str, Any], layers: int, method: str) -> dict[str, Any]:
 def _run_one(config: CompileCostConfig, layers: int, method: str, caches: str, tmp: str) -> dict[str, Any]:
     """One (depth, method) in its own process with the caches in ``tmp`` (empty for
     ``fresh``); a failure is a row, not a crash."""
+    # Inductor's FX graph and AOTAutograd caches on, as they are by default,
+    # whatever the caller's environment says (the test suite turns them off).
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
-           "HILORE_CACHE_DIR": os.path.join(tmp, "hilore")}
+           "HILORE_CACHE_DIR": os.path.join(tmp, "hilore"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     code = (f"import json; from hilore_compiler.bench.compile_cost import _worker; "
             f"print('RESULT ' + json.dumps(_worker({asdict(config)!r}, {layers}, {method!r})))")
     began = time.perf_counter()

@@ -40,11 +40,12 @@ def loss(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().pow(2).mean()
 
 
-def run_lengths(model: torch.nn.Module, call, vocab: int, tmp_path) -> dict:
-    """Each length's gradient (compiled and eager), measured peak and ceiling, and the backend."""
+def run_lengths(model: torch.nn.Module, call, vocab: int, tmp_path, **options) -> dict:
+    """Each length's gradient (compiled and eager), measured peak and ceiling, and the backend;
+    ``options`` go to the backend."""
     # The loss runs after the graph: its own peak, measured, is part of the step's.
     ratio = plan_loss_ratio(loss_side(loss, (2, max(LENGTHS), vocab), torch.float32, "cpu"))
-    backend = HiLoReBackend({**OPTIONS, "cache_dir": str(tmp_path), "loss_ratio": ratio})
+    backend = HiLoReBackend({**OPTIONS, "cache_dir": str(tmp_path), "loss_ratio": ratio, **options})
     compiled = torch.compile(model, backend=backend)
     results = {}
     for i, length in enumerate(LENGTHS):

@@ -21,6 +21,6 @@ def test_hugging_face_llama_stays_planned_across_lengths(tmp_path):
     # Roofline costs: the plans are a function of the shapes. With measured
     # costs a loaded machine times its way to other plans, some of which this
     # tiny Llama's step peaks 4-10% over (at length 48 on the previous main
-    # too, at 64 now; in CI's quieter runs it passed): the memory model's
-    # error on those plans is still to be found.
+    # too; in CI's quieter runs it passed): the memory model's error on
+    # those plans is still to be found.
     check(run_lengths(model, lambda fn, ids: fn(input_ids=ids).logits, 64, tmp_path, cost_model="roofline:cpu"))

@@ -10,7 +10,8 @@ worst moment of forward and backward. Measured on the bench's GRPO step (CPU,
   log-softmax temporaries and the gradient of the outputs being formed). This
   is store-all's peak;
 - the backward of one segment (a layer, or ``outside``): kept + outputs + the
-  gradient of the outputs backward started from (``StepTerms.output_grad_bytes``)
+  gradient of the outputs backward started from (freed after the head's
+  backward unless a tied weight's sum keeps it: ``StepTerms.output_grad_bytes``)
   + the segment's rebuilt
   units and workspace (``transient`` below) + the gradients backward itself
   holds there (the widest activation's gradient, or the partial gradient of
@@ -27,8 +28,9 @@ So, with ``StepTerms`` (``stepterms.py``) giving the parts the trace's units do 
                gradient + a tied weight's second partial)
     step(g) = outputs + d_outputs(g) + grad_workspace(g) + held + weight
               gradients of g and of every segment backward reaches before g
-    d_outputs(g) = outputs (``StepTerms.output_grad_bytes``: alive to the end
-              where a tied weight is summed there; counted so everywhere)
+    d_outputs(g) = outputs in the head's backward (``outside``); after it, 0,
+              or outputs where a tied weight (embedding = lm_head) is summed
+              at the end of backward
     freed(g) = kept bytes of the layers backward has finished before g (every
               layer's at the end; ``outside``'s never, conservatively)
 

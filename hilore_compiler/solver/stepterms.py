@@ -40,15 +40,15 @@ class StepTerms:
     #: The graph's outputs, which the caller holds until backward is done.
     output_bytes: int = 0
     #: The outputs' gradient once the head's backward (``outside``, met
-    #: first) is done. With a tied weight (an lm_head tied to the embedding)
-    #: it lives to the end of backward, where Inductor makes the head's
-    #: partial from it and sums it with the embedding's (Qwen2.5-0.5B's widths,
-    #: 4 layers, 1 x 512, fp32: 1953.0 MB measured, outputs + gradient +
-    #: weight gradients + the second partial). Untied, the same step
-    #: measured a logits' worth less (1651.3 MB: backward freed it after the
-    #: head), but a dynamic Llama's plan at 1.0x-gc measured over its ceiling
-    #: when the model counted it freed, so it is counted alive throughout:
-    #: an over-prediction of one logits where nothing is tied.
+    #: first) is done: backward frees it there, unless a tied weight's
+    #: gradient (an lm_head tied to the embedding) is summed at the end of
+    #: backward, where Inductor also makes the head's partial from it.
+    #: Measured on Qwen2.5-0.5B's widths (4 layers, 1 x 512, fp32): untied,
+    #: store-all's peak is 1651.3 MB, a logits' worth (311 MB) under outputs
+    #: + gradient + weight gradients; tied, 1953.0 MB, that sum plus the
+    #: second partial. With LoRA (the tied embedding frozen) Qwen2.5-0.5B
+    #: and Qwen2.5-3B measured store-all and GC within 0.2% of this; counted
+    #: alive, they were 22% over.
     output_grad_bytes: int = 0
     #: The loss's own peak beyond the outputs (0: the loss is not known).
     loss_bytes: int = 0
@@ -187,10 +187,9 @@ def step_terms(trace: Trace, segments: Mapping[str, Sequence[UnitCost]], *, batc
         gradient[g] = max([*(u.bytes for u in us), trace.partial_grad_bytes.get(g, 0)]) + flowing
         weights[g] = held + so_far
     # A tied weight's partials are both alive when backward sums them, last,
-    # and the outputs' gradient with them; it is counted alive untied too
-    # (``StepTerms.output_grad_bytes``).
+    # and the outputs' gradient with them (``StepTerms.output_grad_bytes``).
     tied = trace.partial_grad_bytes.get(TIED_PARTIALS, 0)
-    output_grad = outputs
+    output_grad = outputs if tied else 0
     end = outputs + output_grad + held + sum(grads.values()) + tied
     return StepTerms(output_bytes=outputs, output_grad_bytes=output_grad, loss_bytes=round(loss_ratio * outputs),
                      gradient_bytes=gradient,

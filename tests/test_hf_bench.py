@@ -199,4 +199,3 @@ def test_compile_cost_compiles_the_hf_model_at_its_depth(qwen2, tmp_path, capsys
         assert rows[method, "warm"]["cache_hits"] == rows["inductor", "warm"]["cache_hits"], rows[method, "warm"]
         assert not any("profiling" in line for line in rows[method, "warm"]["breakdown"])
     assert any("profiling" in line for line in rows["hilore", "fresh"]["breakdown"])
-    assert not any("profiling" in line for line in rows["hilore-roofline", "fresh"]["breakdown"])

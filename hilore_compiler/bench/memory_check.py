@@ -71,13 +71,15 @@ class MemoryCheckConfig:
     #: Inductor's and hilore's caches; empty: fresh in a temporary folder.
     cache_dir: str = ""
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"--memory-check runs {', '.join(METHODS)}; not {', '.join(unknown)}")
+
 
 def run_memory_check(config: MemoryCheckConfig, progress: Callable[[str], None] = lambda _m: None
                      ) -> dict[str, Any]:
     """Run every method in its own peak-measuring process; the report (``format_table`` prints it)."""
-    unknown = sorted(set(config.methods) - set(METHODS))
-    if unknown:
-        raise ValueError(f"--memory-check runs {', '.join(METHODS)}; not {', '.join(unknown)}")
     run_dir = Path(tempfile.mkdtemp(prefix="hilore-memory-check-"))
     cache = Path(config.cache_dir).expanduser() if config.cache_dir else run_dir / "cache"
     env = worker_env(cache / "inductor", peak=config.device == "cpu")
@@ -125,7 +127,6 @@ def _measure(config: WorkerConfig, env: dict[str, str], log_path: Path) -> dict[
 def summarise(config: MemoryCheckConfig, rows: list[dict[str, Any]], run_dir: str) -> dict[str, Any]:
     """Each row's prediction (from HiLoRe's plan) and its ratio; HiLoRe's ceiling checks."""
     plan = next((r["plan"] for r in rows if r["method"] == "hilore" and r.get("plan")), None)
-    measured = {r["method"] for r in rows if r["status"] == "ok"}
     for row in rows:
         if row["method"] in _PREDICTION and plan is not None:
             row["predicted_bytes"] = plan[_PREDICTION[row["method"]]]
@@ -139,8 +140,8 @@ def summarise(config: MemoryCheckConfig, rows: list[dict[str, Any]], run_dir: st
         hilore["ceiling_bytes"] = plan["budget_bytes"]
         hilore["under_ceiling"] = hilore["tensor_peak_bytes"] <= plan["budget_bytes"]
         hilore["vmhwm_under_ceiling"] = hilore["measured_bytes"] <= plan["budget_bytes"]
-        if "gc" in measured:
-            gc = next(r for r in rows if r["method"] == "gc")
+        gc = next((r for r in rows if r["method"] == "gc" and r["status"] == "ok"), None)
+        if gc is not None:
             hilore["over_measured_gc"] = round(hilore["tensor_peak_bytes"] / gc["tensor_peak_bytes"], 4)
     if plan is not None and plan["gc_bytes"] >= plan["store_bytes"]:
         note = ("GC saves nothing at this shape: its predicted peak is store-all's (the weights' gradients "

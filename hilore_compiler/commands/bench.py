@@ -227,7 +227,7 @@ def run_compile_cost(args: argparse.Namespace) -> int:
 
 def run_memory_check(args: argparse.Namespace) -> int:
     """``--memory-check``: run, print the table, save the JSON."""
-    from ..bench.memory_check import METHODS, MemoryCheckConfig, format_table, run_memory_check as run_check
+    from ..bench.memory_check import MemoryCheckConfig, format_table, run_memory_check as run_check
     from ..bench.runner import resolve_device
 
     values: dict = {"model": args.model or "small", "device": resolve_device(args.device or "auto")}
@@ -238,8 +238,6 @@ def run_memory_check(args: argparse.Namespace) -> int:
         values["methods"] = comma_list(args.methods)
     try:
         config = MemoryCheckConfig(**values)
-        if set(config.methods) - set(METHODS):
-            raise ValueError(f"--memory-check runs {', '.join(METHODS)}")
     except ValueError as e:
         print(f"hilore bench: error: {e}", file=sys.stderr)
         return 2

@@ -301,3 +301,23 @@ def test_codec_errors_of_large_activations_come_from_a_sample_of_whole_rows():
         codec = codecs.get_codec(name)
         whole = float((codec.decode(codec.encode(t), t.dtype) - t).norm() / t.norm())
         assert _codec_error(codec, [t])[0] == pytest.approx(whole, rel=0.02)
+
+
+@pytest.mark.slow
+def test_one_codec_compile_serves_every_row_length_its_guards_admit():
+    """Codecs are compiled with symbolic sizes (passes/codec_timing.py): one
+    compile serves rows of any length its guards admit, computes what the
+    eager codec does, and a shape it does not admit (int4's odd row, whose
+    last nibble is a part of its own) gets a compile of its own."""
+    from hilore_compiler.codecs import get_codec
+    from hilore_compiler.passes import codec_timing
+
+    int4 = get_codec("int4")
+    key = ("int4", "encode", torch.float32)
+    codec_timing._COMPILES.pop(key, None)
+    for row in (32, 48, 33):
+        x = torch.randn(64, row)
+        encode = codec_timing._compiled(key, lambda t: int4.encode_unchecked(t), x)
+        got, want = encode(x), int4.encode_unchecked(x)
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want)), row
+    assert len(codec_timing._COMPILES[key]) == 2  # 32 and 48 share one; 33 needs its own

@@ -10,11 +10,19 @@ large. Compiled alone at ``small``'s shapes on one CPU thread, fp32 int8 costs
 (a study removed in 9ccfacb: ``git show 9ccfacb^:bench/codec_cost.py``). Pricing by traffic made the planner prefer int4
 where int8 was faster.
 
-Each (codec, dtype, row length, device) is compiled once and timed on a probe
-set of tensors larger than a CPU's last-level cache, so it streams from memory
-as a saved activation does in backward; a unit's price is its bytes times that
+Each (codec, dtype, row length, device) is timed once on a probe set of
+tensors larger than a CPU's last-level cache, so it streams from memory as a
+saved activation does in backward; a unit's price is its bytes times that
 rate. The codecs are row-wise, so the row length (the last dimension) is what
 changes their kernels; the number of rows only scales them.
+
+Each codec's encode and decode are compiled once per (dtype, device) with
+symbolic sizes, and serve every row length their shape guards admit (int4's
+nibble packing, for one, guards on an even row): a Qwen2 layer has saved
+tensors of four row lengths, and a C++ compile per length and codec was 16
+compiles, 16 s of a 24-layer Qwen2.5-0.5B first compile. The kernels are
+Inductor's dynamic-shape kernels, which the step's static ones may outrun a
+little; the rate is still timed per row length.
 
 Compiled with ``make_fx`` + ``compile_fx``, not ``torch.compile``: the tracer
 runs inside the hilore backend, where dynamo would count every probe shape as
@@ -27,10 +35,15 @@ import functools
 import itertools
 import logging
 import math
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from .. import codecs as codec_registry
 
@@ -80,22 +93,58 @@ def encode_decode_seconds(codec: codec_registry.Codec, probes: list[torch.Tensor
     from .profile import ProfileConfig, _median_seconds
 
     dtype = probes[0].dtype
-    encode = _compiled(lambda x: codec.encode_unchecked(x), probes[0])
+    encode = _compiled((codec.name, "encode", dtype), lambda x: codec.encode_unchecked(x), probes[0])
     encoded = [tuple(encode(x)) for x in probes]
-    decode = _compiled(lambda p: (codec.decode(p, dtype),), encoded[0])
+    decode = _compiled((codec.name, "decode", dtype), lambda p: (codec.decode(p, dtype),), encoded[0])
     timing = ProfileConfig(warmup=PROBE_WARMUP, repeats=repeats)
     raw_inputs, encoded_inputs = itertools.cycle(probes), itertools.cycle(encoded)
     return (_median_seconds(lambda: encode(next(raw_inputs)), timing),
             _median_seconds(lambda: decode(next(encoded_inputs)), timing))
 
 
-def _compiled(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
-    """``fn`` traced to aten and compiled by Inductor for exactly these inputs."""
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A function compiled for symbolic sizes, and the shapes it serves."""
+
+    fn: Callable[..., Any]
+    shape_env: ShapeEnv
+    #: The symbolic tensors it was traced on, flattened: its guards are over their sizes.
+    fakes: tuple[FakeTensor, ...]
+
+    def serves(self, args: Sequence[Any]) -> bool:
+        """Whether the guards recorded while tracing and compiling hold for ``args``."""
+        return self.shape_env.evaluate_guards_for_args(list(self.fakes), pytree.tree_leaves(args))
+
+
+#: (codec, "encode" or "decode", dtype) -> its compiles so far, each for the shapes its guards admit.
+_COMPILES: dict[tuple[str, str, torch.dtype], list[_Compiled]] = {}
+
+
+def _compiled(key: tuple[str, str, torch.dtype], fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``fn`` compiled by Inductor for inputs shaped like ``args``: a compile made
+    for another row length when its guards admit these shapes, else a new one."""
+    compiles = _COMPILES.setdefault(key, [])
+    for compiled in compiles:
+        if compiled.serves(args):
+            return compiled.fn
+    compiles.append(_compile_symbolic(fn, args))
+    return compiles[-1].fn
+
+
+def _compile_symbolic(fn: Callable[..., Any], args: Sequence[Any]) -> _Compiled:
+    """``fn`` traced to aten with every size of ``args`` symbolic and compiled by Inductor."""
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
 
-    with torch.no_grad():
-        gm = make_fx(fn)(*args)
-        return compile_fx(gm, list(args))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake_args = pytree.tree_map_only(torch.Tensor, lambda a: mode.from_tensor(a, symbolic_context=(
+        StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * a.dim()))), tuple(args))
+    fakes = tuple(pytree.tree_leaves(fake_args))
+    # The backend that profiles runs inside dynamo's compile, whose tracing
+    # context holds the model's fake mode: this compile has its own.
+    with tracing(TracingContext(mode)), torch.no_grad():
+        gm = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+        return _Compiled(compile_fx(gm, list(fake_args)), mode.shape_env, fakes)
 
 
 @functools.cache

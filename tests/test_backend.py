@@ -134,6 +134,18 @@ def test_saved_bytes_match_prediction_and_differ_by_bucket(tiny, tiny_two_bucket
 
 
 @pytest.mark.slow
+def test_a_store_all_variant_is_min_cuts_partition_from_the_capture(tiny, tiny_two_buckets):
+    """Storing every unit is the partition the units were read from: it is not made twice."""
+    model, ids, _ = tiny
+    backend, compiled, _ = tiny_two_buckets
+    grad_of(model, compiled, ids, "b1")
+    records = {r.bucket: r for r in backend.graphs[0].records}
+    assert records["b1"].counts["store"] == records["b1"].units > 0
+    assert not records["b1"].ran_min_cut and records["b0"].ran_min_cut
+    assert records["b1"].saved_bytes == records["b1"].default_saved_bytes
+
+
+@pytest.mark.slow
 def test_switching_buckets_does_not_recompile(tiny, tiny_two_buckets):
     model, ids, _ = tiny
     backend, compiled, _ = tiny_two_buckets

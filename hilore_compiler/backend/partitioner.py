@@ -27,6 +27,7 @@ from ..passes.apply import apply_decisions, in_forward
 from ..passes.capture import merge_duplicates, saved_output_names
 from ..passes.sizes import size_hint
 from ..planfile import Plan
+from ..vocabulary import RECOMPUTE
 
 from .matching import nodes_nbytes, unit_nbytes
 from .cachekey import code_digest
@@ -50,6 +51,9 @@ class PartitionRecord:
     #: FLOPs of the partitioned backward graph (recomputed matmuls included).
     backward_flops: int = 0
     seconds: float = 0.0
+    #: False where nothing was recomputed or compressed and the capture's
+    #: min-cut partition served, not a second min-cut.
+    ran_min_cut: bool = True
 
 
 def saved_tensor_bytes(fw: fx.GraphModule, num_fwd_outputs: int, joint: fx.GraphModule) -> int:
@@ -203,9 +207,17 @@ class PlanPartitioner(CustomPartitionerFn):
         record = PartitionRecord(bucket=decisions.bucket or "inductor", units=len(units),
                                  matched=len(decisions.decisions),
                                  default_saved_bytes=sum(map(unit_nbytes, units)))
+        default = self.planner.default_partition(gm)
         record.counts = apply_decisions(gm, units, decisions.decisions)
-        with encodes_in_forward(gm):
-            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if default is not None and not record.counts[RECOMPUTE] and not record.counts["compress"]:
+            # Storing every unit is min-cut's own partition, the one the units
+            # were read from: a second min-cut of the graph would only repeat it
+            # (12 s of a 24-layer Qwen2.5-0.5B compile).
+            fw, bw = default
+            record.ran_min_cut = False
+        else:
+            with encodes_in_forward(gm):
+                fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         record.saved_bytes = saved_tensor_bytes(fw, kwargs["num_fwd_outputs"], gm)
         record.backward_flops = graph_flops(bw)
         record.seconds = time.perf_counter() - start

@@ -102,7 +102,10 @@ class GraphPlanner:
         #: Where the plans came from: "given", "cache", "made" here, or "rank 0" (its plans or its trace).
         self.source = "given" if options.plan is not None else "made"
         self._published: tuple[Plan, ...] | None = None
+        #: Per joint graph (its code's digest): the names min-cut saves, and min-cut's
+        #: partition of it (``default_partition``), both from its capture.
         self._saved: dict[str, set[str]] = {}
+        self._partitions: dict[str, tuple[fx.GraphModule, fx.GraphModule]] = {}
         if options.plan is not None:
             self.plans = given_plans(options, self.batch, self.seq_range)
             if self.dynamic:
@@ -270,7 +273,7 @@ class GraphPlanner:
                 **kwargs: Any) -> tuple[list[UnitNodes], GraphDecisions]:
         """The units of ``joint`` and ``bucket``'s decisions in ``plan`` (None: the compiled
         call's plan; bucket None: its default bucket)."""
-        digest = hashlib.sha256(joint.code.encode()).hexdigest()
+        digest = _digest(joint)
         make_plan = not self.plans and self.planning
         if make_plan or digest not in self._saved:
             # Roofline costs read shapes alone: nothing runs (``values.meta_values``).
@@ -279,6 +282,7 @@ class GraphPlanner:
                 capture = capture_joint(joint, joint_inputs, self.real_args,
                                         record_values=make_plan and measured, **kwargs)
             self._saved[digest] = capture.saved_names
+            self._partitions[digest] = capture.fw, capture.bw
             if make_plan:
                 self._make_plan(capture)
         units = annotate_units(joint, self._saved[digest])
@@ -297,6 +301,11 @@ class GraphPlanner:
             fall_back(self.options, PlanMismatchError(decisions.mismatch_message()),
                       f"{len(decisions.missing)} unit(s) of this graph without a decision")
         return units, decisions
+
+    def default_partition(self, joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+        """Min-cut's partition of ``joint`` as captured by ``prepare`` (before any
+        decision was applied to it), or None when it was not captured here."""
+        return self._partitions.get(_digest(joint))
 
     def _make_plan(self, capture: GraphCapture) -> None:
         """Trace, profile and solve the captured joint graph (zero config)."""
@@ -342,3 +351,8 @@ class GraphPlanner:
         for note in self.plans[-1].notes:
             if note.startswith(GC_SAVES_NOTHING):  # a ceiling that is not one: said once, when planned
                 say(options, note)
+
+
+def _digest(joint: fx.GraphModule) -> str:
+    """Names one joint graph among those a planner sees."""
+    return hashlib.sha256(joint.code.encode()).hexdigest()

@@ -32,7 +32,7 @@ from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
 from ..solver import infeasible_cause
-from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
+from .measure import (StepSample, cpu_peak_supported, flat_grad, loss_side, measure_step, mmap_threshold_set,
                       plan_loss_ratio)
 from .methods import HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, prepare_method, tuned_step
 from .peers import SEARCHED, knob_name
@@ -218,13 +218,6 @@ class Worker:
             info[knob] = getattr(self.config.options, knob)
         info.update(self.prepared.record())
         return info
-
-
-def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient, flattened in parameter order (zeros where None)."""
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-             for p in model.parameters()]
-    return torch.cat(parts).float()
 
 
 def _handle(worker: Any, request: dict[str, Any]) -> dict[str, Any]:

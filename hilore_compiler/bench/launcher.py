@@ -37,7 +37,7 @@ SamePlan = Callable[[dict[str, Any]], "str | None"]
 
 #: The GC method whose measured peak each planned method's ``x-gc`` budget
 #: refers to: the one that runs the same step (eager or compiled loss).
-REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "int8-recompute": "gc", "sac-milp": "gc",
+REFERENCE_GC = {"hilore": "gc", "hilore-blind": "gc", "int8-recompute": "gc", "sac-milp": "gc", "paper": "gc",
                 "hilore-step": "gc-chunked"}
 
 

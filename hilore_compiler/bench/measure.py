@@ -145,6 +145,13 @@ def measure_step(step: Callable[[], object], device: torch.device | str) -> Step
     raise ValueError(f"peak memory is defined for cpu and cuda, not {device.type!r}")
 
 
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, flattened in parameter order (zeros where None)."""
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+             for p in model.parameters()]
+    return torch.cat(parts).float()
+
+
 def gradient_fidelity(grad: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(cosine, relative L2 error) of a flattened gradient against the exact one, in fp64."""
     if grad.shape != exact.shape:

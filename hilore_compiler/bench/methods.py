@@ -45,8 +45,14 @@ in what the backward pass gets to keep:
   bucket: int8/bf16 compression mixed with recompute, blind to exposure;
   the strongest exposure-blind competitor at HiLoRe's memory.
 
-``sac-op``, ``sac-layer2``, ``gc-int8``, ``int8-recompute`` and the CUDA-only peers run only when named with
-``--methods``.
+- ``paper``: the paper authors' reference runtime (``ChnIRuI/HiLoRe``) in our own code
+  (``paper.py``), eager: every decoder layer kept (H), kept with one MLP tensor in fp8 (L) or
+  recomputed (R), chosen per step after the loss from the GRPO coefficients by a dynamic
+  program over measured per-layer costs, at ``hilore_budget`` of GC's measured peak. Its
+  profiling and calibration run in the worker's set-up (``PreparedMethod.profile``).
+
+``sac-op``, ``sac-layer2``, ``gc-int8``, ``int8-recompute``, ``paper`` and the CUDA-only peers run only
+when named with ``--methods``.
 
 The token log-probs and the GRPO loss run eagerly after the compiled policy,
 as ``grpo.actor_update`` runs them, identically for every method, except in
@@ -68,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +90,8 @@ from .checkpointing import op_selective_context_fn, selective_context_fn, wrap_l
 #: ``uniform-int8``, which reuses the trace the hilore worker cached, and
 #: before ``pt-budget``, whose budget is searched to match HiLoRe's peak).
 METHODS = ("store-all", "gc", "gc-eager", "sac", "sac-op", "sac-layer2", "gc-int8", *offload.METHODS, "hilore",
-           "hilore-blind", "uniform-int8", "int8-recompute", sac_milp.METHOD, *peers.SEARCHED, "gc-chunked", "hilore-step")
+           "hilore-blind", "uniform-int8", "int8-recompute", "paper", sac_milp.METHOD, *peers.SEARCHED, "gc-chunked",
+           "hilore-step")
 
 #: Methods that refuse a CPU device, each saying why when prepared.
 CUDA_ONLY = (*offload.METHODS, sac_milp.METHOD, *(m for m, s in peers.PT_BUDGETS.items() if s.needs_cuda))
@@ -111,6 +119,7 @@ LABELS = {
     "int8-recompute": "int8 + recompute",
     "hilore": "HiLoRe",
     "hilore-blind": "HiLoRe blind",
+    "paper": "paper (reference runtime)",
     "gc-chunked": "GC + chunked log-probs",
     "hilore-step": "HiLoRe whole step",
 }
@@ -171,6 +180,10 @@ class MethodOptions:
     #: priced by the memory model, the fitting ones timed); empty: it runs
     #: ``chunk_tokens``, as ``gc-chunked`` does. ``(0,)``: the default candidates.
     step_chunks: tuple[int, ...] = ()
+    #: ``paper``'s calibration microbatches (the reference's 16).
+    paper_calibration_microbatches: int = 16
+    #: ``paper``'s timed steps per profiled plan, after one warm-up (the reference's 5).
+    paper_repeats: int = 5
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> MethodOptions:
@@ -195,6 +208,13 @@ class PreparedMethod:
     step: Callable[..., torch.Tensor] | None = None
     #: What the method decided, for the worker's record, read after the first call (``sac-milp``'s plan).
     record: Callable[[], dict[str, Any]] = dict
+    #: Called by the step between the loss and backward, ``before_backward(logprobs (B, T-1),
+    #: data, loss_config)`` (``paper``: selects each layer's recovery from the loss's coefficients).
+    before_backward: Callable[[torch.Tensor, Any, Any], None] | None = None
+    #: Run by the worker's set-up before the first call, ``profile(step, data, batch)``: ``step(d)``
+    #: runs one step on a batch ``d``, ``data`` is the bench's batch, ``batch(k)`` a k-th batch of
+    #: other seeds (``paper``: its profiling and calibration).
+    profile: Callable[[Callable[[Any], None], Any, Callable[[int], Any]], None] | None = None
 
 
 def uniform_plan(trace: Any, codec: str, loss_ratio: float | None = None, **terms: Any) -> Plan:
@@ -291,6 +311,20 @@ def tuned_step(model: nn.Module, options: MethodOptions, loss_config: Any, batch
     return prepared, choice.to_json()
 
 
+def _prepare_paper(model: nn.Module, options: MethodOptions) -> PreparedMethod:
+    """``paper``, eager, at HiLoRe's memory budget and error budget (as a relative L2 error)."""
+    from ..solver.risk import parse_risk_budget
+    from .paper import PaperConfig, PaperMethod
+
+    config = PaperConfig(memory_budget=options.hilore_budget, gc_peak_bytes=options.gc_peak_bytes,
+                         risk_budget=math.sqrt(parse_risk_budget(options.hilore_risk_budget)),
+                         calibration_microbatches=options.paper_calibration_microbatches,
+                         repeats=options.paper_repeats)
+    method = PaperMethod(model, config)
+    return PreparedMethod(name="paper", policy=method.policy, before_backward=method.before_backward,
+                          profile=method.profile, record=method.record)
+
+
 def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_config: Any = None) -> PreparedMethod:
     """Wrap and ``torch.compile`` ``model`` (in place) the way method ``name`` runs it.
 
@@ -319,6 +353,8 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
     if name == sac_milp.METHOD:
         policy = sac_milp.prepare(model, options.hilore_budget, options.gc_peak_bytes, loss_config)
         return PreparedMethod(name=name, policy=policy, record=policy.record)
+    if name == "paper":
+        return _prepare_paper(model, options)
     if name in peers.SEARCHED:
         # The config patch is read when the first call compiles; it is per
         # process anyway, as every method runs in its own.

@@ -3,9 +3,11 @@
 Run as ``python -m hilore_compiler.bench.worker '<WorkerConfig JSON>'``. The
 worker reads one JSON command per line on stdin and answers one JSON line:
 
-- ``{"cmd": "setup"}``: build model and data, compile (the first call),
-  run the warm-up steps (measured, returned), save the flattened gradient of
-  the fixed batch if asked; answers ``compile_s``, ``warmup``, ``info``.
+- ``{"cmd": "setup"}``: build model and data, run the method's profiling if
+  it has one (``PreparedMethod.profile``, counted in ``compile_s``), compile
+  (the first call), run the warm-up steps (measured, returned), save the
+  flattened gradient of the fixed batch if asked; answers ``compile_s``,
+  ``warmup``, ``info``.
 - ``{"cmd": "measure", "steps": k}``: k measured steps; answers ``samples``.
 - ``{"cmd": "exit"}``.
 
@@ -32,7 +34,7 @@ from ..backend import runtime
 from ..grpo import GRPOConfig, exposure_before_forward, grpo_loss
 from ..models import build_model, token_logprobs
 from ..solver import infeasible_cause
-from .measure import (StepSample, cpu_peak_supported, loss_side, measure_step, mmap_threshold_set,
+from .measure import (StepSample, cpu_peak_supported, flat_grad, loss_side, measure_step, mmap_threshold_set,
                       plan_loss_ratio)
 from .methods import HILORE_BACKENDS, STEP_METHODS, MethodOptions, PreparedMethod, prepare_method, tuned_step
 from .peers import SEARCHED, knob_name
@@ -90,11 +92,14 @@ def make_data(vocab: int, batch: int, seq_len: int, seed: int, device: torch.dev
     return StepData(input_ids=ids.to(device), advantages=adv.to(device), mask=mask.to(device))
 
 
-def actor_step(policy: Callable[[torch.Tensor], torch.Tensor], data: StepData, loss_config: GRPOConfig) -> None:
-    """Forward, token log-probs, GRPO loss (on-policy: old = logprobs), backward."""
+def actor_step(policy: Callable[[torch.Tensor], torch.Tensor], data: StepData, loss_config: GRPOConfig,
+               before_backward: Callable[[torch.Tensor, StepData, GRPOConfig], None] | None = None) -> None:
+    """Forward, token log-probs, GRPO loss (on-policy: old = logprobs), ``before_backward`` if given, backward."""
     logits = policy(data.input_ids)  # (B, T, V)
     logprobs = token_logprobs(logits, data.input_ids)  # (B, T-1)
     loss = grpo_loss(logprobs, logprobs.detach(), data.advantages, data.mask, loss_config)
+    if before_backward is not None:
+        before_backward(logprobs, data, loss_config)
     loss.backward()
 
 
@@ -142,10 +147,18 @@ class Worker:
         context = runtime.exposure(self.bucket) if self.bucket else contextlib.nullcontext()
         with context:
             if self.prepared.step is None:
-                actor_step(self.prepared.policy, self.data, self.loss_config)
+                self._actor_step(self.data)
             else:  # the whole step is one compiled graph: forward, log-probs, loss
                 d = self.data
                 self.prepared.step(d.input_ids, self.old_logprobs, d.advantages, d.mask).backward()
+
+    def _actor_step(self, data: StepData) -> None:
+        actor_step(self.prepared.policy, data, self.loss_config, self.prepared.before_backward)
+
+    def _other_batch(self, k: int) -> StepData:
+        """The k-th batch of the bench's shape from another seed than the bench's (``paper``'s calibration)."""
+        c = self.config
+        return make_data(self.model.config.vocab_size, c.batch, c.seq_len, c.seed + 1 + k, self.device)
 
     def measure(self, steps: int) -> list[StepSample]:
         samples = []
@@ -172,6 +185,8 @@ class Worker:
         start = time.perf_counter()
         chunks = self._choose_chunks() if self.config.method == "hilore-step" and self.config.options.step_chunks \
             else None
+        if self.prepared.profile is not None:
+            self.prepared.profile(self._actor_step, self.data, self._other_batch)
         self.model.zero_grad(set_to_none=True)
         with self.prepared.compile_context():
             self._step()  # compiles: dynamo, AOTAutograd, partitioner, Inductor
@@ -218,13 +233,6 @@ class Worker:
             info[knob] = getattr(self.config.options, knob)
         info.update(self.prepared.record())
         return info
-
-
-def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient, flattened in parameter order (zeros where None)."""
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-             for p in model.parameters()]
-    return torch.cat(parts).float()
 
 
 def _handle(worker: Any, request: dict[str, Any]) -> dict[str, Any]:

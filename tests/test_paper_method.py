@@ -16,14 +16,14 @@ from hilore_compiler.bench.checkpointing import wrap_layers
 from hilore_compiler.bench.measure import allocation_deltas, flat_grad
 from hilore_compiler.bench.methods import LABELS, METHODS, MethodOptions
 from hilore_compiler.bench.paper import PaperConfig, PaperMethod
-from hilore_compiler.bench.paper_allocator import allocate
-from hilore_compiler.bench.paper_calibration import Calibration
-from hilore_compiler.bench.paper_layers import (
+from hilore_compiler.bench.paper.allocator import allocate
+from hilore_compiler.bench.paper.calibration import Calibration
+from hilore_compiler.bench.paper.layers import (
     L_THRESHOLD_SHARE,
     decoder_layer_saved_bytes,
 )
-from hilore_compiler.bench.paper_profile import CapturePlan, Measured
-from hilore_compiler.bench.paper_recovery import ACTIONS, AFTER_CAPTURE, FP8
+from hilore_compiler.bench.paper.profile import CapturePlan, Measured
+from hilore_compiler.bench.paper.recovery import ACTIONS, AFTER_CAPTURE, FP8
 from hilore_compiler.bench.worker import Worker, WorkerConfig, actor_step, make_data
 from hilore_compiler.grpo import GRPOConfig, grpo_loss
 from hilore_compiler.models import build_model, token_logprobs
@@ -187,7 +187,7 @@ class _ToyLayer(torch.nn.Module):
 
 @pytest.mark.parametrize("capture", ["H", "L"])
 def test_l_is_unavailable_where_the_fp8_value_is_not_finite(capture):
-    from hilore_compiler.bench.paper_layers import PaperRecovery
+    from hilore_compiler.bench.paper.layers import PaperRecovery
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([_ToyLayer()])

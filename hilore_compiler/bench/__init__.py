@@ -16,11 +16,10 @@ Modules in the order a run uses them:
 - ``offload``, ``sac_milp``: the peers that run on CUDA only: GC with its
   checkpoints in host memory, selective AC saving to the host
   (``MUST_CPU_OFFLOAD``), PyTorch's ``sac_milp`` over its own estimators.
-- ``paper_recovery``, ``paper_layers``, ``paper_allocator``, ``paper_profile``,
-  ``paper_calibration``, ``paper``: the ``paper`` method, the paper authors'
-  reference runtime in our code: a decoder layer's saved tensors kept, kept
-  with one in fp8, or replayed; its installation on the layers; the per-step
-  dynamic program; profiling; risk calibration; the method that joins them.
+- ``paper`` (a package): the ``paper`` method, the paper authors' reference
+  runtime in our code: a decoder layer's saved tensors kept, kept with one in
+  fp8, or replayed; its installation on the layers; the per-step dynamic
+  program; profiling; risk calibration; the method that joins them.
 - ``worker``: one process per method, driven over a pipe: the fixed batch,
   the GRPO actor step, setup and measured steps.
 - ``search``: a grid over a peer's knob (activation_memory_budget, fp8's

@@ -46,7 +46,7 @@ in what the backward pass gets to keep:
   the strongest exposure-blind competitor at HiLoRe's memory.
 
 - ``paper``: the paper authors' reference runtime (``ChnIRuI/HiLoRe``) in our own code
-  (``paper.py``), eager: every decoder layer kept (H), kept with one MLP tensor in fp8 (L) or
+  (``bench/paper/``), eager: every decoder layer kept (H), kept with one MLP tensor in fp8 (L) or
   recomputed (R), chosen per step after the loss from the GRPO coefficients by a dynamic
   program over measured per-layer costs, at ``hilore_budget`` of GC's measured peak. Its
   profiling and calibration run in the worker's set-up (``PreparedMethod.profile``).

@@ -1,7 +1,7 @@
 """The paper's runtime on a model: a ``LayerBundle`` per decoder layer per step, and the L
 threshold scaled to the model's layers.
 
-``PaperRecovery`` installs the recovery of ``paper_recovery`` on every decoder layer, found as
+``PaperRecovery`` installs the recovery of ``recovery`` on every decoder layer, found as
 ``checkpointing.wrap_layers`` finds them (``model.layers``, which Hugging Face policies provide
 too). ``decoder_layer_saved_bytes`` and ``L_THRESHOLD_SHARE`` carry the reference's 32 MiB L
 threshold at Qwen2.5-3B over to any model as a share of its layers' saved bytes.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .paper_recovery import AFTER_CAPTURE, LayerBundle, storage_key
+from .recovery import AFTER_CAPTURE, LayerBundle, storage_key
 
 #: The reference's L threshold (``minimum_compressed_tensor_bytes``) at Qwen2.5-3B, bf16.
 REFERENCE_L_THRESHOLD_BYTES = 32 << 20

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .paper_recovery import ACTIONS, AFTER_CAPTURE
+from .recovery import ACTIONS, AFTER_CAPTURE
 
 #: Steps per budget axis (the reference's ``memory_intervals`` and ``risk_intervals``).
 INTERVALS = 1024

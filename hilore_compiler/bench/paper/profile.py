@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .measure import allocator_peak, measure_step
-from .paper_recovery import ACTIONS, AFTER_CAPTURE
+from ..measure import allocator_peak, measure_step
+from .recovery import ACTIONS, AFTER_CAPTURE
 
 #: The reference's capture headroom splits between H and L (share of the headroom for H).
 H_FRACTIONS = (0.0, 0.5, 1.0)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .measure import gradient_fidelity
+from ..measure import gradient_fidelity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

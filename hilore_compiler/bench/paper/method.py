@@ -1,9 +1,4 @@
-"""The ``paper`` method of ``hilore bench``: HiLoRe's reference runtime, eager, in our own code.
-
-The paper authors' runtime (``ChnIRuI/HiLoRe``: ``hilore/runtime.py`` and the initialisation
-in ``hilore/initialize.py``), with the recovery units, their installation on the layers, the
-allocator, profiling and calibration of ``paper_recovery``, ``paper_layers``,
-``paper_allocator``, ``paper_profile`` and ``paper_calibration``.
+"""``PaperMethod``: the recovery, allocator, profiling and calibration of this package, joined.
 
 A step: before the forward every decoder layer gets its capture from the chosen plan (all R
 without one). Between the loss and backward (``before_backward``) the GRPO coefficients omega
@@ -21,7 +16,7 @@ scheduler, kept when it fits the budget, keeps the gradient error within
 Where this differs from the reference, and why:
 
 - One process, one device, any policy of the bench; peaks by the bench's meter (CUDA:
-  ``max_memory_allocated``; CPU: the allocator's count, ``paper_profile.measure_plan``), not
+  ``max_memory_allocated``; CPU: the allocator's count, ``profile.measure_plan``), not
   NVML over four FSDP ranks.
 - GC's peak: the bench's (``gc_peak_bytes``) on CUDA, same meter; on CPU the bench's is a
   VmHWM figure, so eager GC is measured here with the method's meter, as the reference's
@@ -46,13 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..grpo import token_coefficients
-from ..solver.budget import parse_budget
-from .measure import flat_grad, gradient_fidelity
-from .paper_allocator import allocate
-from .paper_calibration import Calibration, CalibrationStep, calibrate
-from .paper_layers import L_THRESHOLD_SHARE, PaperRecovery
-from .paper_profile import (
+from ...grpo import token_coefficients
+from ...solver.budget import parse_budget
+from ..measure import flat_grad, gradient_fidelity
+from .allocator import allocate
+from .calibration import Calibration, CalibrationStep, calibrate
+from .layers import L_THRESHOLD_SHARE, PaperRecovery
+from .profile import (
     H_FRACTIONS,
     CapturePlan,
     Measured,

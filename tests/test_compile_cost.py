@@ -30,3 +30,14 @@ def test_table_names_failures_and_ratios():
 def test_flag_parses_depths():
     args = build_parser().parse_args(["bench", "--compile-cost", "--depths", "2,8,32"])
     assert args.compile_cost and args.depths == (2, 8, 32)
+
+
+def test_hilores_folded_verbose_line_is_read_whole():
+    from hilore_compiler.bench.compile_cost import breakdowns
+    from hilore_compiler.progress import wrap_line
+
+    message = ("hilore: compiled this graph in 100.0 s: capture 20.4 s, profiling 42.3 s, solving 0.4 s, "
+               "Inductor 36.9 s (1 variant)")
+    stderr = "\n".join(["bench: something", wrap_line(message), "bench: something else",
+                        "hilore: plan cached"])
+    assert breakdowns(stderr) == [message.removeprefix("hilore: ")]

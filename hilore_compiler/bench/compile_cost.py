@@ -127,11 +127,24 @@ def _run_one(config: CompileCostConfig, layers: int, method: str, caches: str, t
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         return {**row, "status": f"failed: {tail[0][:300]}"}
-    # hilore's verbose line per graph: where its first compile went.
-    breakdown = [line.removeprefix("hilore: ") for line in done.stderr.splitlines()
-                 if line.startswith("hilore: compiled this graph")]
-    return {**row, **json.loads(lines[-1].removeprefix("RESULT ")), "breakdown": breakdown,
+    return {**row, **json.loads(lines[-1].removeprefix("RESULT ")), "breakdown": breakdowns(done.stderr),
             "process_s": time.perf_counter() - began}
+
+
+def breakdowns(stderr: str) -> list[str]:
+    """hilore's verbose line per graph, where its first compile went, unfolded
+    (``progress.tell`` folds a long message onto indented lines)."""
+    found: list[str] = []
+    folded = False
+    for line in stderr.splitlines():
+        if line.startswith("hilore: compiled this graph"):
+            found.append(line.removeprefix("hilore: "))
+            folded = True
+        elif folded and line.startswith(" "):
+            found[-1] += " " + line.strip()
+        else:
+            folded = False
+    return found
 
 
 def run_compile_cost(config: CompileCostConfig, progress=lambda message: None) -> dict[str, Any]:

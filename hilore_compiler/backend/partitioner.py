@@ -202,12 +202,11 @@ class PlanPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         start = time.perf_counter()
         merge_duplicates(gm)  # units are those of the graph min-cut partitions
-        units, decisions = self.planner.prepare(gm, joint_inputs, self.plan, self.bucket, **kwargs)
+        units, decisions, default = self.planner.prepare(gm, joint_inputs, self.plan, self.bucket, **kwargs)
         self.plan_used, self.bucket_used = self.plan or self.planner.plan, decisions.bucket
         record = PartitionRecord(bucket=decisions.bucket or "inductor", units=len(units),
                                  matched=len(decisions.decisions),
                                  default_saved_bytes=sum(map(unit_nbytes, units)))
-        default = self.planner.default_partition(gm)
         record.counts = apply_decisions(gm, units, decisions.decisions)
         if default is not None and not record.counts[RECOMPUTE] and not record.counts["compress"]:
             # Storing every unit is min-cut's own partition, the one the units

@@ -20,7 +20,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -60,6 +60,16 @@ def trace_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Back
     from ..passes.capture import capture_graph_module
 
     return trace_capture(capture_graph_module(gm, example_inputs), options, batch, seq_len, name)
+
+
+class PreparedGraph(NamedTuple):
+    """A joint graph's units, the decisions for them, and min-cut's partition of it."""
+
+    units: list[UnitNodes]
+    decisions: GraphDecisions
+    #: (forward, backward) as min-cut partitioned the graph when it was
+    #: captured, before any decision; None where this planner did not capture it.
+    default_partition: tuple[fx.GraphModule, fx.GraphModule] | None
 
 
 class GraphPlanner:
@@ -270,17 +280,19 @@ class GraphPlanner:
         return self.trace is not None
 
     def prepare(self, joint: fx.GraphModule, joint_inputs: Sequence[object], plan: Plan | None, bucket: str | None,
-                **kwargs: Any) -> tuple[list[UnitNodes], GraphDecisions]:
-        """The units of ``joint`` and ``bucket``'s decisions in ``plan`` (None: the compiled
-        call's plan; bucket None: its default bucket)."""
-        digest = _digest(joint)
+                **kwargs: Any) -> PreparedGraph:
+        """The units of ``joint`` (its duplicates merged: ``merge_duplicates``), ``bucket``'s
+        decisions in ``plan`` (None: the compiled call's plan; bucket None: its default
+        bucket) and min-cut's partition of it."""
+        digest = hashlib.sha256(joint.code.encode()).hexdigest()
         make_plan = not self.plans and self.planning
         if make_plan or digest not in self._saved:
             # Roofline costs read shapes alone: nothing runs (``values.meta_values``).
             measured = self.options.cost_model == "measured"
             with self._timed("capture"):
+                # The partitioner merged the joint graph's duplicates before it came here.
                 capture = capture_joint(joint, joint_inputs, self.real_args,
-                                        record_values=make_plan and measured, **kwargs)
+                                        record_values=make_plan and measured, merged=True, **kwargs)
             self._saved[digest] = capture.saved_names
             self._partitions[digest] = capture.fw, capture.bw
             if make_plan:
@@ -288,7 +300,7 @@ class GraphPlanner:
         units = annotate_units(joint, self._saved[digest])
         plan = plan or self.plan
         if plan is None:
-            return units, GraphDecisions.none()
+            return PreparedGraph(units, GraphDecisions.none(), self._partitions.get(digest))
         try:
             decisions = match_plan(plan, bucket, units, self.batch, self.seq_len)
             if self._foreign and (decisions.unknown or decisions.missing):
@@ -300,12 +312,7 @@ class GraphPlanner:
         if decisions.unknown or decisions.missing:
             fall_back(self.options, PlanMismatchError(decisions.mismatch_message()),
                       f"{len(decisions.missing)} unit(s) of this graph without a decision")
-        return units, decisions
-
-    def default_partition(self, joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule] | None:
-        """Min-cut's partition of ``joint`` as captured by ``prepare`` (before any
-        decision was applied to it), or None when it was not captured here."""
-        return self._partitions.get(_digest(joint))
+        return PreparedGraph(units, decisions, self._partitions.get(digest))
 
     def _make_plan(self, capture: GraphCapture) -> None:
         """Trace, profile and solve the captured joint graph (zero config)."""
@@ -351,8 +358,3 @@ class GraphPlanner:
         for note in self.plans[-1].notes:
             if note.startswith(GC_SAVES_NOTHING):  # a ceiling that is not one: said once, when planned
                 say(options, note)
-
-
-def _digest(joint: fx.GraphModule) -> str:
-    """Names one joint graph among those a planner sees."""
-    return hashlib.sha256(joint.code.encode()).hexdigest()

@@ -23,9 +23,11 @@
 #      GC's and sac-op's (eager or without Inductor: seconds);
 #   5. hilore bench --memory-check on Qwen2.5-0.5B's widths (4 layers, bf16,
 #      2 x 2048): the memory model against CUDA's allocator;
-#   6. the CUDA-only peers (gc-offload, sac-offload, sac-milp) on the same
+#   6. the `paper` method (the paper authors' runtime) beside GC and HiLoRe
+#      at 1.10x GC on the same model and shape;
+#   7. the CUDA-only peers (gc-offload, sac-offload, sac-milp) on the same
 #      frontier as 3, in a bench of their own, in the time left;
-#   7. the backend tests on that machine's torch, if time is left.
+#   8. the backend tests on that machine's torch, if time is left.
 #
 # Before the session, from the repository root on a machine with the index:
 #
@@ -37,10 +39,10 @@
 #
 # then run it with the device tool: command `bash bench/gpu_session.sh`,
 # carry [".whl"], timeout 600. Results: $OUT/session.log (what ran, how
-# long), $OUT/env.txt, $OUT/{bench,cuda_peers,test_cuda,backend_tests}.log, the benches'
+# long), $OUT/env.txt, $OUT/{bench,paper,cuda_peers,test_cuda,backend_tests}.log, the benches'
 # JSON and PNG, and $OUT/worker-logs/ where a bench method failed.
-# GPU_SESSION_SECONDS (default 480: 8 minutes) bounds the whole script; BENCH_ARGS
-# and PEERS_ARGS replace the two benches' arguments (PEERS_ARGS=none skips the second).
+# GPU_SESSION_SECONDS (default 480: 8 minutes) bounds the whole script; BENCH_ARGS,
+# PAPER_ARGS and PEERS_ARGS replace the benches' arguments (=none skips one).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
@@ -134,6 +136,20 @@ if [[ ${memcheck_args[0]:-none} != none ]]; then
     memcheck_rc=$?
 fi
 
+# The paper authors' reference runtime (the `paper` method, issue 65) on its home
+# ground, CUDA and bf16 with fp8 for L, beside GC at the paper's 1.10x: its
+# profiling and calibration (16 microbatches) run in its worker's set-up.
+# PAPER_ARGS=none skips it.
+read -r -a paper_args <<<"${PAPER_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
+--ceilings 1.1 --methods gc,hilore,paper --repeats 3 --warmup 1 --settle-rounds 0 \
+-o $OUT/frontier-tinyllama-8l-bf16-cuda-paper.json}"
+paper_rc=skipped
+if [[ ${paper_args[0]:-none} != none ]]; then
+    step paper 150 python3 -m hilore_compiler bench "${paper_args[@]}"
+    paper_rc=$?
+    copy_worker_logs
+fi
+
 # The peers of issue 53 that run on CUDA only, in a bench of their own so that
 # neither their failure nor a time-out loses the frontier above, and after the
 # tests so that they take only the time the steps before them leave (the
@@ -154,5 +170,6 @@ fi
 
 step backend_tests 120 "${PYTEST[@]}" tests/test_backend.py tests/test_any_graph.py
 
-log "done: test_cuda exit $tests_rc, bench exit $bench_rc, memory_check exit $memcheck_rc, cuda_peers exit $peers_rc; \
+log "done: test_cuda exit $tests_rc, bench exit $bench_rc, memory_check exit $memcheck_rc, paper exit $paper_rc, \
+cuda_peers exit $peers_rc; \
 $(left)s left"

@@ -14,6 +14,7 @@ even for a model on the meta device.
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from ..sizeexpr import format_size
 from ..vocabulary import DEFAULT_CODECS
 from ..tracefile import CodecCost, RecoveryUnit, eval_size
 from .annotate import UnitNodes, frontier_keys
-from .codec_timing import codec_seconds_per_byte
+from .codec_timing import CODEC_PROBE_BYTES, CODEC_PROBES, codec_seconds_per_byte
 from .sizes import largest, nbytes_expr, shape_expr, total_nbytes
 
 
@@ -245,19 +246,27 @@ def _codec_traffic_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, con
     return moved / copy_bandwidth(tensors[0].device)
 
 
-#: Bytes copied to measure bandwidth: larger than a CPU's last-level cache, so
-#: the copy streams from memory as a saved activation does in backward (the
-#: unit's own tensor, copied repeatedly, would be timed from cache).
-BANDWIDTH_PROBE_BYTES = 256 << 20
-
-
 @functools.cache
 def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second a plain copy moves (read + write) on ``device``; measured once per process."""
-    source = torch.ones(BANDWIDTH_PROBE_BYTES // 4, device=device)
-    target = torch.empty_like(source)
-    seconds = _median_seconds(lambda: target.copy_(source), ProfileConfig(warmup=1, repeats=5))
-    return 2 * BANDWIDTH_PROBE_BYTES / max(seconds, 1e-9)
+    """Bytes per second a plain copy moves (read + write) on ``device``; measured once per process.
+
+    Copied as the codecs are timed (``codec_timing``): ``CODEC_PROBES`` tensors of
+    ``CODEC_PROBE_BYTES`` in turn, each into a target of its own, 2 x 32 MB in all,
+    past a VM's share of the last-level cache, so each copy streams from memory
+    as a saved activation does in backward (the unit's own tensor, copied
+    repeatedly, would be timed from cache). One 256 MB probe and its target put
+    512 MB into the first call, where planning runs: 7.7x the step's own peak on
+    a mid-width Qwen2 (``tests/test_memory_check.py``), and device memory on a GPU.
+    """
+    sources = [torch.ones(CODEC_PROBE_BYTES // 4, device=device) for _ in range(CODEC_PROBES)]
+    pairs = itertools.cycle([(source, torch.empty_like(source)) for source in sources])
+
+    def copy() -> None:
+        source, target = next(pairs)
+        target.copy_(source)
+
+    seconds = _median_seconds(copy, ProfileConfig(warmup=CODEC_PROBES, repeats=5 * CODEC_PROBES))
+    return 2 * CODEC_PROBE_BYTES / max(seconds, 1e-9)
 
 
 def _codec_roofline_seconds(tensors: list[torch.Tensor], payload: sympy.Expr, config: ProfileConfig) -> float:

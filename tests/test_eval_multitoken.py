@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from hilore_compiler.evaluation.task import TaskConfig, make_prompts, reward, right_positions
+from hilore_compiler.evaluation.arms import FixedBatch
+from hilore_compiler.evaluation.fidelity import grad_vector
+from hilore_compiler.evaluation.rollout import rollout
+from hilore_compiler.evaluation.stepfidelity import bucket_gradients, measured_update
+from hilore_compiler.evaluation.task import TaskConfig, reward, right_positions
+from hilore_compiler.grpo import ExposureBuckets, GRPOConfig, UpdateConfig, bucket_names
+from hilore_compiler.models import build_model
 
 
 def samples(text: list[str]) -> torch.Tensor:
@@ -34,3 +42,26 @@ def test_exact_match_and_partial_credit_on_hand_made_samples():
     batch = samples(["3917=1379", "3917=1397", "3917=9731", "3917=13a9"])
     assert reward(exact, batch).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert reward(partial, batch).tolist() == [1.0, 0.5, 0.0, 0.75]
+
+
+def _small_task() -> TaskConfig:
+    return TaskConfig(prompt_digits=4, response_len=4, rule="multiples", partial_credit=True)
+
+
+def test_measured_update_splits_the_gradient_by_bucket_and_keeps_the_arms():
+    task = _small_task()
+    policy = build_model("tiny", seed=0)
+    batch = rollout(policy, task, num_prompts=4, group_size=8, generator=torch.Generator().manual_seed(0)).batch
+    update = UpdateConfig(microbatch_size=8)
+    buckets = ExposureBuckets(edges=(0.0, 0.01, 0.03, math.inf), names=bucket_names(3))
+    params = list(policy.parameters())
+    added, report = bucket_gradients(policy, params, batch, GRPOConfig(), update, buckets)
+    assert set(added) == {n for n in report.samples_per_bucket if n != "zero"}
+    assert torch.allclose(sum(added.values()), grad_vector(params), rtol=1e-12, atol=1e-15)
+    policy.zero_grad(set_to_none=True)
+    # A padded eager "arm" computes the exact gradient up to summation order.
+    report, fid = measured_update(FixedBatch(policy, 8), policy, batch, GRPOConfig(), update, buckets, step=3)
+    assert fid.step == 3 and set(fid.cosine) == set(added) and len(fid.cosine) >= 2
+    assert all(c > 1 - 1e-9 for c in fid.cosine.values()) and fid.update_rel_l2 < 1e-5
+    # What is left in .grad for the optimizer is the arm's own update.
+    assert torch.allclose(grad_vector(params), sum(added.values()), rtol=1e-5, atol=1e-9)

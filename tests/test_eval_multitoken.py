@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from hilore_compiler.evaluation.arms import FixedBatch
+from hilore_compiler.bench.methods import UNBOUNDED_RISK
+from hilore_compiler.evaluation.arms import FixedBatch, arm_backend_options
 from hilore_compiler.evaluation.fidelity import grad_vector
 from hilore_compiler.evaluation.rollout import rollout
 from hilore_compiler.evaluation.stepfidelity import bucket_gradients, measured_update
@@ -42,6 +44,27 @@ def test_exact_match_and_partial_credit_on_hand_made_samples():
     batch = samples(["3917=1379", "3917=1397", "3917=9731", "3917=13a9"])
     assert reward(exact, batch).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert reward(partial, batch).tolist() == [1.0, 0.5, 0.0, 0.75]
+
+
+# --- arms -------------------------------------------------------------------------
+
+def test_arm_options_are_a_users_and_the_benchs():
+    from hilore_compiler.backend import BackendOptions
+
+    def options(name):
+        return BackendOptions.from_mapping(arm_backend_options(name, "/nonexistent"))
+
+    # "hilore" is torch.compile(model, backend="hilore") with no options: every field that
+    # plans is the default; only where it caches, whether it talks and strictness differ.
+    harness = {"cache_dir", "verbose", "strict"}
+    hilore, zero_config = options("hilore"), BackendOptions()
+    for f in dataclasses.fields(BackendOptions):
+        if f.name not in harness:
+            assert getattr(hilore, f.name) == getattr(zero_config, f.name), f.name
+    assert hilore.memory_budget == "1.10x-gc" and hilore.codecs == ("bf16", "int8")
+    assert options("hilore-int4").codecs == ("bf16", "int8", "int4")
+    recompute = options("int8-recompute")
+    assert (recompute.codecs, recompute.buckets, recompute.risk_budget) == (("int8",), 1, UNBOUNDED_RISK)
 
 
 def _small_task() -> TaskConfig:

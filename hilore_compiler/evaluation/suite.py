@@ -134,16 +134,6 @@ def resolve_plan(trace: Trace, budget: str, risk: float, buckets: int) -> tuple[
     return plan, info
 
 
-def _warm_up(arm: arms_mod.Arm, config: EvalConfig) -> float:
-    """Compile ``arm`` now (the backend builds every bucket variant on the first call)."""
-    start = time.perf_counter()
-    vocab = arm.policy.config.vocab_size
-    ids = torch.randint(0, vocab, (config.microbatch, config.task.seq_len), generator=torch.Generator())
-    arm.model(ids).float().pow(2).mean().backward()
-    arm.policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
-
-
 def _distinct(plan: Plan) -> int:
     """How many different plans the nonzero buckets have."""
     return len({b.decisions for b in plan.buckets if not b.skip})
@@ -181,7 +171,9 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
     for name, plan in plans.items():
         policy = build_model(config.model, seed=config.fidelity_seed)
         arms[name] = arms_mod.compiled_arm(name, policy, plan, config.cache_dir)
-        compile_s[name] = _warm_up(arms[name], config)
+        start = time.perf_counter()
+        arms_mod.warm_up(arms[name], config.microbatch, config.task.seq_len)
+        compile_s[name] = time.perf_counter() - start
         say(f"compiled {name} ({len(arms[name].backend.graphs[0].variants)} variants) "
             f"in {compile_s[name]:.0f} s")
     probes = [resolve_plan(trace, b, risk, config.buckets)[1] for b in config.probe_budgets]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -10,10 +11,12 @@ import torch
 
 from hilore_compiler.bench.methods import UNBOUNDED_RISK
 from hilore_compiler.evaluation.arms import Arm, FixedBatch, arm_backend_options, exact_arm
+from hilore_compiler.evaluation.comparison import run_comparison
 from hilore_compiler.evaluation.fidelity import grad_vector
+from hilore_compiler.evaluation.presets import preset
 from hilore_compiler.evaluation.rollout import rollout
 from hilore_compiler.evaluation.stepfidelity import bucket_gradients, measured_update
-from hilore_compiler.evaluation.task import TaskConfig, reward, right_positions
+from hilore_compiler.evaluation.task import TaskConfig, make_prompts, reward, right_positions
 from hilore_compiler.evaluation.training import RunSetup, TrainConfig, train_arm
 from hilore_compiler.grpo import ExposureBuckets, GRPOConfig, UpdateConfig, actor_update, bucket_names
 from hilore_compiler.models import build_model
@@ -45,6 +48,19 @@ def test_exact_match_and_partial_credit_on_hand_made_samples():
     batch = samples(["3917=1379", "3917=1397", "3917=9731", "3917=13a9"])
     assert reward(exact, batch).tolist() == [1.0, 0.0, 0.0, 0.0]
     assert reward(partial, batch).tolist() == [1.0, 0.5, 0.0, 0.75]
+
+
+def test_preset_prompts_are_deterministic_per_seed_and_responses_long():
+    config = preset("multiples16")
+    assert config.task.response_len >= 16 and config.train.group_size == 8 and config.seeds >= 16
+    assert config.grpo.beta == 0.001 and config.grpo.eps_low == config.grpo.eps_high == 0.2
+    assert config.arms == ("exact", "hilore", "hilore-int4", "int8-recompute")
+    a = make_prompts(config.task, 32, torch.Generator().manual_seed(5))
+    b = make_prompts(config.task, 32, torch.Generator().manual_seed(5))
+    c = make_prompts(config.task, 32, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(ValueError, match="unknown arm"):
+        dataclasses.replace(config, arms=("exact", "nope"))
 
 
 # --- arms -------------------------------------------------------------------------
@@ -142,3 +158,40 @@ def test_measured_update_splits_the_gradient_by_bucket_and_keeps_the_arms():
     assert all(c > 1 - 1e-9 for c in fid.cosine.values()) and fid.update_rel_l2 < 1e-5
     # What is left in .grad for the optimizer is the arm's own update.
     assert torch.allclose(grad_vector(params), sum(added.values()), rtol=1e-5, atol=1e-9)
+
+
+# --- CLI and the whole comparison -------------------------------------------------------
+
+def test_cli_task_names_and_compare_config():
+    from hilore_compiler.commands.eval import ONE_TOKEN, TASKS, _compare_config
+    from hilore_compiler.evaluation.presets import PRESETS
+
+    assert TASKS == (ONE_TOKEN, *PRESETS)
+    args = argparse.Namespace(task="multiples16", quick=True, steps=5, seeds=3, budget=None, risk_budget=None,
+                              threads=None, arms="exact, hilore")
+    config = _compare_config(args)
+    assert (config.train.steps, config.train.eval_every, config.seeds, config.arms) == (5, 5, 3, ("exact", "hilore"))
+    with pytest.raises(ValueError, match="max1"):
+        _compare_config(argparse.Namespace(**{**vars(args), "budget": "0.8x-gc"}))
+
+
+@pytest.mark.slow
+def test_a_tiny_comparison_reports_every_arm_and_the_bucket_cosines():
+    config = preset("multiples16", seeds=2)
+    config = dataclasses.replace(
+        config, task=dataclasses.replace(config.task, response_len=4),
+        train=dataclasses.replace(config.train, steps=3, prompts_per_step=2, eval_every=3, eval_prompts=10,
+                                  final_evals=1, fidelity_every=1))
+    payload = run_comparison(config, lambda _msg: None)
+    compiled = ["hilore", "hilore-int4", "int8-recompute"]
+    assert list(payload["plans"]) == compiled
+    assert "int4" in payload["plans"]["hilore-int4"]["codecs"]
+    assert list(payload["plans"]["int8-recompute"]["buckets"]) == ["b0"]  # one bucket
+    diffs = payload["training"]["paired_differences"]
+    assert list(diffs) == compiled and all(d["n"] == 2 for d in diffs.values())
+    # Every arm starts from the exact arm's weights and draws: step 1's samples are shared.
+    assert all(min(d["shared_rollout_steps"]) >= 1 for d in diffs.values())
+    for arm in compiled:
+        cosines = payload["step_fidelity"][arm]
+        assert cosines["update"]["steps"] == 2 * 3 and len(cosines) >= 2  # a bucket or more, and the update
+        assert all(0.9 < c["mean_cosine"] <= 1 + 1e-9 for c in cosines.values())

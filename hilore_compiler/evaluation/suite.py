@@ -16,17 +16,19 @@ Order of work (each step reports on stderr):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..backend.cache import default_cache_dir
 from ..grpo import GRPOConfig, UpdateConfig, plan_buckets
 from ..models import build_model
 from ..planfile import Plan
@@ -81,8 +83,7 @@ class EvalConfig:
     #: to split and more threads only contend with the other processes.
     threads: int = 1
     #: Where the backend may cache (it is given plans, so it writes little).
-    cache_dir: str = field(default_factory=lambda: os.environ.get(
-        "HILORE_CACHE_DIR", str(Path.home() / ".cache" / "hilore")))
+    cache_dir: str = field(default_factory=default_cache_dir)
     model: str = "tiny"
 
 
@@ -196,14 +197,21 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__}
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch CPU threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_evaluation(config: EvalConfig, say: Progress) -> dict[str, Any]:
     """Run the whole evaluation (module docstring) and return the results payload."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _run(config, say)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(config: EvalConfig, say: Progress) -> dict[str, Any]:

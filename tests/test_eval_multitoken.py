@@ -54,7 +54,7 @@ def test_preset_prompts_are_deterministic_per_seed_and_responses_long():
     config = preset("multiples16")
     assert config.task.response_len >= 16 and config.train.group_size == 8 and config.seeds >= 16
     assert config.grpo.beta == 0.001 and config.grpo.eps_low == config.grpo.eps_high == 0.2
-    assert config.arms == ("exact", "hilore", "hilore-int4", "int8-recompute")
+    assert config.arms == ("exact", "hilore", "hilore-int4", "int8-recompute", "store-all")
     a = make_prompts(config.task, 32, torch.Generator().manual_seed(5))
     b = make_prompts(config.task, 32, torch.Generator().manual_seed(5))
     c = make_prompts(config.task, 32, torch.Generator().manual_seed(6))
@@ -183,8 +183,8 @@ def test_a_tiny_comparison_reports_every_arm_and_the_bucket_cosines():
         train=dataclasses.replace(config.train, steps=3, prompts_per_step=2, eval_every=3, eval_prompts=10,
                                   final_evals=1, fidelity_every=1))
     payload = run_comparison(config, lambda _msg: None)
-    compiled = ["hilore", "hilore-int4", "int8-recompute"]
-    assert list(payload["plans"]) == compiled
+    compiled = ["hilore", "hilore-int4", "int8-recompute", "store-all"]
+    assert list(payload["plans"]) == compiled[:3]  # store-all is plain torch.compile: no plan
     assert "int4" in payload["plans"]["hilore-int4"]["codecs"]
     assert list(payload["plans"]["int8-recompute"]["buckets"]) == ["b0"]  # one bucket
     diffs = payload["training"]["paired_differences"]

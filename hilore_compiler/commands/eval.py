@@ -5,8 +5,9 @@ and runs paired GRPO training (exact, hilore under a tight budget,
 exposure-blind int8) on a one-token toy task. ``--task multiples16`` (a
 preset of ``evaluation.presets``): 16-token responses, the arms a user
 chooses between (exact, zero-config hilore, hilore with int4, int8 +
-recompute) trained side by side with the update's per-bucket fidelity
-measured along the run. See ``hilore_compiler.evaluation``. Progress goes to
+recompute, and plain torch.compile as the control for rounding alone)
+trained side by side with the update's per-bucket fidelity measured along
+the run. See ``hilore_compiler.evaluation``. Progress goes to
 stderr, the summary to stdout, the numbers to
 ``bench/results/eval-<task>-<time>.json`` (and a PNG of the curves beside it
 when matplotlib is installed).
@@ -31,15 +32,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "then train exact, hilore and an exposure-blind int8 control side by side "
                     "on a verifiable toy task with paired seeds. Defaults are the full run "
                     "(about 10-15 minutes on 2 idle cores); --quick takes 2 minutes. "
-                    "--task multiples16 instead trains exact, zero-config hilore, hilore with int4 "
-                    "and int8 + recompute on 16-token responses, measuring each update's cosine to the "
-                    "exact one per exposure bucket along the run (16 seeds: hours; --quick: minutes).",
+                    "--task multiples16 instead trains exact, zero-config hilore, hilore with int4, "
+                    "int8 + recompute and plain torch.compile (the rounding control) on 16-token "
+                    "responses, measuring each update's cosine to the exact one per exposure bucket "
+                    "along the run (16 seeds: about 2 hours; --quick: minutes).",
     )
     p.add_argument("--task", default=ONE_TOKEN, choices=TASKS,
                    help=f"{ONE_TOKEN}: the one-token task with the plan study (default); "
                         "multiples16: 16-token responses, the user-facing arms side by side")
     p.add_argument("--arms", help="multiples16 only: comma-separated arms, exact first "
-                                  "(default exact,hilore,hilore-int4,int8-recompute)")
+                                  "(default exact,hilore,hilore-int4,int8-recompute,store-all)")
     p.add_argument("--quick", action="store_true", help="2 seeds, few steps: an end-to-end check")
     p.add_argument("--seeds", type=int, help="paired seeds (default 8, multiples16 16; quick 2)")
     p.add_argument("--steps", type=int, help="GRPO steps per run (default 300, multiples16 400; quick 40 / 60)")

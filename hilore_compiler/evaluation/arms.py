@@ -24,10 +24,15 @@ each planned by the backend itself on its first call (``BENCH_ARMS``):
   which is ``memory_budget="1.10x-gc"`` and codecs bf16, int8;
 - ``hilore-int4``: the same with int4 allowed too (codecs bf16, int8, int4);
 - ``int8-recompute``: ``hilore bench``'s method of that name: one bucket, int8
-  the only codec, no error budget, recompute where int8 alone does not fit.
+  the only codec, no error budget, recompute where int8 alone does not fit;
+- ``store-all``: plain ``torch.compile`` (Inductor's own partition, nothing
+  lossy): the control for what compiling alone changes. Its updates differ
+  from eager by rounding only, so its paired difference to ``exact`` is how
+  far rounding alone moves a run, the floor the others are read against.
 
-Each is the ``hilore bench`` method's backend options (``bench.methods.
-backend_options``), so a method added there (a ``paper`` arm) is one line here.
+Each is a ``hilore bench`` method (the hilore ones with the backend options of
+``bench.methods.backend_options``), so a method added there (a ``paper`` arm)
+is one line here.
 """
 
 from __future__ import annotations
@@ -83,9 +88,14 @@ class Arm:
     policy: nn.Module
     #: What ``actor_update`` calls: ``policy`` itself, or its compiled ``FixedBatch``.
     model: nn.Module
-    #: None for the exact arm.
+    #: None for the exact arm and plain ``torch.compile``.
     plan: Plan | None = None
     backend: HiLoReBackend | None = None
+
+    @property
+    def exact(self) -> bool:
+        """True when the update runs the eager policy itself (the reference)."""
+        return self.model is self.policy
 
 
 def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured",
@@ -156,6 +166,7 @@ BENCH_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "hilore": ("hilore", {}),
     "hilore-int4": ("hilore", {"hilore_codecs": ("bf16", "int8", "int4")}),
     "int8-recompute": ("int8-recompute", {}),
+    "store-all": ("store-all", {}),
     # "paper": ("paper", {}), once ``hilore bench`` has the method (branch paper-method).
 }
 
@@ -177,6 +188,9 @@ def bench_arm(name: str, policy: nn.Module, batch: int, cache_dir: str) -> Arm:
     static one a first compile gets, whatever else this process compiled
     (dynamo would otherwise mark a dimension dynamic once it saw two sizes).
     """
+    if BENCH_ARMS[name][0] == "store-all":  # Inductor's defaults, as the bench's store-all
+        compiled = torch.compile(policy, dynamic=False)
+        return Arm(name=name, policy=policy, model=FixedBatch(compiled, batch))
     backend = HiLoReBackend(arm_backend_options(name, cache_dir))
     compiled = torch.compile(policy, backend=backend, dynamic=False)
     return Arm(name=name, policy=policy, model=FixedBatch(compiled, batch), backend=backend)
@@ -206,8 +220,8 @@ def warm_up(arm: Arm, batch: int, seq_len: int) -> Arm:
 
 def arm_buckets(arm: Arm, num_sequences: int) -> ExposureBuckets | None:
     """The exposure buckets ``arm`` updates a batch of ``num_sequences`` with: its plan's
-    (``grpo.plan_buckets``), as the trl integration uses them; None for the exact arm,
-    which has no plan (``actor_update`` then cuts at the batch's quantiles)."""
+    (``grpo.plan_buckets``), as the trl integration uses them; None for an arm without
+    a plan (``actor_update`` then cuts at the batch's quantiles)."""
     return None if arm.plan is None else plan_buckets(arm.plan, num_sequences)
 
 

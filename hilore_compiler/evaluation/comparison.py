@@ -4,7 +4,8 @@ Order of work (each step reports on stderr):
 
 1. compile every arm of ``CompareConfig.arms`` (``arms.bench_arm``) and call
    it once: the backend traces, profiles and plans the policy at the
-   microbatch shape, as on a user's first call (``exact`` is the eager policy);
+   microbatch shape, as on a user's first call (``exact`` is the eager policy,
+   ``store-all`` plain ``torch.compile``, the control for rounding alone);
 2. paired training (``training.train_paired``): every arm from each seed's
    initial weights, on the same prompts and sampling draws, with the KL
    reference at those initial weights; every ``fidelity_every`` steps a
@@ -44,7 +45,7 @@ class CompareConfig:
     train: TrainConfig
     grpo: GRPOConfig
     #: ``exact`` first, then names of ``arms.BENCH_ARMS``.
-    arms: tuple[str, ...] = (EXACT, "hilore", "hilore-int4", "int8-recompute")
+    arms: tuple[str, ...] = (EXACT, "hilore", "hilore-int4", "int8-recompute", "store-all")
     #: Paired seeds 0 .. seeds - 1.
     seeds: int = 16
     #: Rows per forward/backward; the compiled arms are planned at this batch.
@@ -86,8 +87,10 @@ def build_arms(config: CompareConfig, say: Progress) -> tuple[list[arms_mod.Arm]
         arm = arms_mod.bench_arm(name, build_model(config.model, seed=0), config.microbatch, config.cache_dir)
         built.append(arms_mod.warm_up(arm, config.microbatch, config.task.seq_len))
         seconds[name] = time.perf_counter() - start
-        say(f"compiled {name} in {seconds[name]:.0f} s: " + ", ".join(
-            f"{b.bucket.name} {arms_mod.option_counts(b)}" for b in built[-1].plan.buckets if not b.skip))
+        plan = built[-1].plan
+        say(f"compiled {name} in {seconds[name]:.0f} s: " + (", ".join(
+            f"{b.bucket.name} {arms_mod.option_counts(b)}" for b in plan.buckets if not b.skip)
+            if plan is not None else "Inductor's own partition"))
     return built, seconds
 
 

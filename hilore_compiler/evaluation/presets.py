@@ -5,15 +5,24 @@ multiples of the prompt's largest digit, ``task``), rewarded with partial
 credit; groups of 8, clip 0.2, K3 KL 0.001 to the initial weights; the tiny
 built-in policy (2 layers, hidden 64, 0.1M parameters) from scratch.
 
-Why these sizes, measured with one thread on 2 busy cores: the exact arm takes
-about 0.18 s a step (0.11 s sampling 16 tokens with a full forward each,
-0.06 s the update), so 400 steps and the scoring stay under 2 minutes per arm
-and seed. At lr 1e-3 the greedy score rose from 6% to 41% over those 400
-steps on seed 0; 2e-3 was noisier and ended lower (34% at 600); more
-prompts per step cost proportionally more time than they saved steps. A
-wider or deeper policy costs time in proportion and was not needed for the
-curve to rise. The fidelity of every compiled update is measured at every
-5th step (one extra eager update each), 80 steps a seed.
+Why these sizes, measured with one thread on 2 busy cores: an arm takes
+0.17-0.21 s a step (about 0.13 s sampling 16 tokens with a full forward
+each, 0.04-0.07 s the update), so 400 steps and the scoring take 70-85 s per
+arm and seed. At lr 1e-3 the exact arm's greedy score rose from 6% to 41% over those
+400 steps on seed 0 (9% to 40% on seed 1); 2e-3 was noisier and ended lower
+(34% at 600); more prompts per step cost proportionally more time than they
+saved steps; a wider or deeper policy costs time in proportion and was not
+needed for the curve to rise. The fidelity of every compiled update is
+measured at every 5th step (one extra eager update each), 80 steps a seed.
+
+What the final score can resolve: runs on this task are chaotic. Plain
+``torch.compile`` (``store-all``, whose updates match exact to 1 - cos ~ 1e-11)
+sampled exact's very rollouts for 100-115 steps, then drifted, and ended
++6 and -18 pp from exact on seeds 0 and 1; collapses and recoveries of the
+greedy score (40% -> 1% -> 20%) come and go with any perturbation. The paired
+final-score difference of any arm therefore carries a spread of 10-20 pp
+per seed that rounding alone produces; read it against ``store-all``'s, and
+the per-bucket cosines for the plans' own error.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from .training import TrainConfig
 
 
 def multiples16() -> CompareConfig:
-    """The multi-token comparison's full run (16 seeds; a seed is about 7 minutes of 4 arms)."""
+    """The multi-token comparison's full run (16 seeds; a seed of 5 arms is about 6.5 minutes here)."""
     return CompareConfig(
         preset="multiples16",
         task=TaskConfig(prompt_digits=4, response_len=16, rule="multiples", partial_credit=True),

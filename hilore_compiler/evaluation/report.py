@@ -127,11 +127,11 @@ def step_fidelity_summary(runs: list[ArmRun]) -> dict[str, dict[str, dict[str, f
 
 
 def format_step_fidelity(summary: dict[str, dict[str, dict[str, float]]]) -> str:
-    """``step_fidelity_summary`` as a text table."""
-    lines = [f"{'arm':<15} {'bucket':<7} {'mean cos':>12} {'min cos':>12} {'steps':>6} {'samples':>8}"]
+    """``step_fidelity_summary`` as a text table; cosines as 1 - cos, which tells 0.99999 from 0.999."""
+    lines = [f"{'arm':<15} {'bucket':<7} {'1 - mean cos':>12} {'1 - min cos':>12} {'steps':>6} {'samples':>8}"]
     for arm, buckets in summary.items():
         for bucket, s in buckets.items():
-            lines.append(f"{arm:<15} {bucket:<7} {s['mean_cosine']:12.8f} {s['min_cosine']:12.8f} "
+            lines.append(f"{arm:<15} {bucket:<7} {1 - s['mean_cosine']:12.1e} {1 - s['min_cosine']:12.1e} "
                          f"{s['steps']:6d} {s['samples']:8d}")
     return "\n".join(lines)
 

@@ -156,7 +156,7 @@ def train_arm(arm: Arm, seed: int, setup: RunSetup, progress: Progress | None = 
     for step in range(1, cfg.steps + 1):
         batch = rollout(arm.policy, setup.task, num_prompts=cfg.prompts_per_step,
                         group_size=cfg.group_size, generator=step_generator(seed, step), reference=reference)
-        if arm.plan is not None and cfg.fidelity_every and step % cfg.fidelity_every == 0:
+        if not arm.exact and cfg.fidelity_every and step % cfg.fidelity_every == 0:
             report, measured = measured_update(arm.model, arm.policy, batch.batch, setup.grpo, setup.update,
                                                buckets, step)
             optimizer.step()

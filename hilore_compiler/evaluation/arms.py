@@ -31,8 +31,11 @@ each planned by the backend itself on its first call (``BENCH_ARMS``):
   far rounding alone moves a run, the floor the others are read against.
 
 Each is a ``hilore bench`` method (the hilore ones with the backend options of
-``bench.methods.backend_options``), so a method added there (a ``paper`` arm)
-is one line here.
+``bench.methods.backend_options``), so another method that runs the hilore
+backend is one line of ``BENCH_ARMS``. A method with a runtime of its own,
+such as main's eager ``paper`` (a ``before_backward`` hook fed the loss's
+log-probs, and a profiling pass at set-up), needs its own branch in
+``bench_arm`` and ``warm_up``, and ``actor_update`` a hook before backward.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ BENCH_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "hilore-int4": ("hilore", {"hilore_codecs": ("bf16", "int8", "int4")}),
     "int8-recompute": ("int8-recompute", {}),
     "store-all": ("store-all", {}),
-    # "paper": ("paper", {}), once ``hilore bench`` has the method (branch paper-method).
+    # "paper": ("paper", {}): see the module docstring for what its runtime needs besides this line.
 }
 
 

@@ -283,6 +283,20 @@ def _hilore_options(options: MethodOptions, buckets: int | None = None) -> dict[
             "loss_ratio": options.loss_ratio, "gc_peak_bytes": options.gc_peak_bytes}
 
 
+def backend_options(name: str, options: MethodOptions) -> dict[str, Any]:
+    """The hilore backend options method ``name`` (one of ``HILORE_BACKENDS``) compiles with;
+    ``hilore eval`` trains its arms under the same ones."""
+    if name not in HILORE_BACKENDS:
+        raise ValueError(f"{name!r} does not run the hilore backend; those that do: {', '.join(HILORE_BACKENDS)}")
+    hilore = _hilore_options(options, BLIND_BUCKETS if name in ONE_BUCKET else None)
+    if name == "int8-recompute":
+        hilore.update(codecs=(options.uniform_codec,), risk_budget=UNBOUNDED_RISK)
+        if options.uniform_codec in options.hilore_codecs:
+            # HiLoRe's trace: both plans then weigh the same measured costs.
+            hilore.update(trace_codecs=tuple(options.hilore_codecs))
+    return hilore
+
+
 def _prepare_step(name: str, model: nn.Module, options: MethodOptions, loss_config: Any) -> PreparedMethod:
     from ..grpo import compiled_step
 
@@ -365,12 +379,7 @@ def prepare_method(name: str, model: nn.Module, options: MethodOptions, loss_con
     if name in HILORE_BACKENDS:
         from ..backend import HiLoReBackend
 
-        hilore = _hilore_options(options, BLIND_BUCKETS if name in ONE_BUCKET else None)
-        if name == "int8-recompute":
-            hilore.update(codecs=(options.uniform_codec,), risk_budget=UNBOUNDED_RISK)
-            if options.uniform_codec in options.hilore_codecs:
-                # HiLoRe's trace: both plans then weigh the same measured costs.
-                hilore.update(trace_codecs=tuple(options.hilore_codecs))
+        hilore = backend_options(name, options)
         backend = (UniformCodecBackend(hilore, options.uniform_codec) if name == "uniform-int8"
                    else HiLoReBackend(hilore))
         return PreparedMethod(name=name, policy=torch.compile(model, backend=backend), backend=backend)

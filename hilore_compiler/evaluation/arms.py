@@ -16,16 +16,40 @@ An arm's model is what ``actor_update`` calls. ``exact`` is the eager policy
 The policy is traced once, at the very graph the arms
 compile (the public ``trace`` at the arms' static shape), and every plan
 is solved from that one trace: tracing profiles each unit and is the slow part.
+
+The multi-token comparison (``presets``) trains other arms: what a user gets,
+each planned by the backend itself on its first call (``BENCH_ARMS``):
+
+- ``hilore``: ``torch.compile(policy, backend="hilore")`` with no options,
+  which is ``memory_budget="1.10x-gc"`` and codecs bf16, int8;
+- ``hilore-int4``: the same with int4 allowed too (codecs bf16, int8, int4);
+- ``int8-recompute``: ``hilore bench``'s method of that name: one bucket, int8
+  the only codec, no error budget, recompute where int8 alone does not fit;
+- ``store-all``: plain ``torch.compile`` (Inductor's own partition, nothing
+  lossy): the control for what compiling alone changes. Its updates differ
+  from eager by rounding only, so its paired difference to ``exact`` is how
+  far rounding alone moves a run, the floor the others are read against.
+
+Each is a ``hilore bench`` method (the hilore ones with the backend options of
+``bench.methods.backend_options``), so another method that runs the hilore
+backend is one line of ``BENCH_ARMS``. A method with a runtime of its own,
+such as main's eager ``paper`` (a ``before_backward`` hook fed the loss's
+log-probs, and a profiling pass at set-up), needs its own branch in
+``bench_arm`` and ``warm_up``, and ``actor_update`` a hook before backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..backend import HiLoReBackend
+from ..backend.runtime import exposure
+from ..grpo import ExposureBuckets, plan_buckets
 from ..planfile import RECOMPUTE, STORE, BucketPlan, Plan
 from ..tracefile import Trace
 
@@ -67,9 +91,14 @@ class Arm:
     policy: nn.Module
     #: What ``actor_update`` calls: ``policy`` itself, or its compiled ``FixedBatch``.
     model: nn.Module
-    #: None for the exact arm.
+    #: None for the exact arm and plain ``torch.compile``.
     plan: Plan | None = None
     backend: HiLoReBackend | None = None
+
+    @property
+    def exact(self) -> bool:
+        """True when the update runs the eager policy itself (the reference)."""
+        return self.model is self.policy
 
 
 def trace_policy(policy: nn.Module, batch: int, seq_len: int, cost_model: str = "measured",
@@ -132,6 +161,71 @@ def compiled_arm(name: str, policy: nn.Module, plan: Plan, cache_dir: str) -> Ar
     compiled = torch.compile(policy, backend=backend, dynamic=False)
     return Arm(name=name, policy=policy, model=FixedBatch(compiled, plan.batch), plan=plan,
                backend=backend)
+
+
+#: Arms the backend plans itself: arm name -> (``hilore bench`` method, ``MethodOptions`` fields
+#: that differ from the bench's defaults).
+BENCH_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hilore": ("hilore", {}),
+    "hilore-int4": ("hilore", {"hilore_codecs": ("bf16", "int8", "int4")}),
+    "int8-recompute": ("int8-recompute", {}),
+    "store-all": ("store-all", {}),
+    # "paper": ("paper", {}): see the module docstring for what its runtime needs besides this line.
+}
+
+
+def arm_backend_options(name: str, cache_dir: str) -> dict[str, Any]:
+    """The hilore backend options arm ``name`` of ``BENCH_ARMS`` compiles with."""
+    from ..bench.methods import MethodOptions, backend_options
+
+    method, fields = BENCH_ARMS[name]
+    # measure_loss=False: the loss's peak is the backend's model of it, as in a zero-config compile.
+    options = MethodOptions(hilore_cache_dir=cache_dir, verbose=False, measure_loss=False, **fields)
+    return backend_options(method, options)
+
+
+def bench_arm(name: str, policy: nn.Module, batch: int, cache_dir: str) -> Arm:
+    """``policy`` compiled as arm ``name`` of ``BENCH_ARMS``; planned on its first call (``warm_up``).
+
+    ``dynamic=False``, with ``FixedBatch`` holding one shape: the graph is the
+    static one a first compile gets, whatever else this process compiled
+    (dynamo would otherwise mark a dimension dynamic once it saw two sizes).
+    """
+    if BENCH_ARMS[name][0] == "store-all":  # Inductor's defaults, as the bench's store-all
+        compiled = torch.compile(policy, dynamic=False)
+        return Arm(name=name, policy=policy, model=FixedBatch(compiled, batch))
+    backend = HiLoReBackend(arm_backend_options(name, cache_dir))
+    compiled = torch.compile(policy, backend=backend, dynamic=False)
+    return Arm(name=name, policy=policy, model=FixedBatch(compiled, batch), backend=backend)
+
+
+def warm_up(arm: Arm, batch: int, seq_len: int) -> Arm:
+    """Compile ``arm`` now; returns it with the plan the backend made (unchanged if it had one).
+
+    The first call plans and compiles every bucket's forward, but AOTAutograd
+    compiles a backward on its first use: one forward and backward per bucket
+    keeps those compiles out of the training run's timings.
+    """
+    ids = torch.randint(0, arm.policy.config.vocab_size, (batch, seq_len), generator=torch.Generator())
+    arm.model(ids).float().pow(2).mean().backward()  # plans, outside any bucket
+    if arm.plan is None and arm.backend is not None:
+        graphs = arm.backend.graphs
+        if len(graphs) != 1 or graphs[0].plan is None:
+            raise RuntimeError(f"arm {arm.name}: expected one planned graph, got {len(graphs)} "
+                               f"({'no plan' if graphs else 'none compiled'})")
+        arm = dataclasses.replace(arm, plan=graphs[0].plan)
+    for bucket in arm.plan.buckets if arm.plan is not None else ():
+        with exposure(bucket.bucket.name):
+            arm.model(ids).float().pow(2).mean().backward()
+    arm.policy.zero_grad(set_to_none=True)
+    return arm
+
+
+def arm_buckets(arm: Arm, num_sequences: int) -> ExposureBuckets | None:
+    """The exposure buckets ``arm`` updates a batch of ``num_sequences`` with: its plan's
+    (``grpo.plan_buckets``), as the trl integration uses them; None for an arm without
+    a plan (``actor_update`` then cuts at the batch's quantiles)."""
+    return None if arm.plan is None else plan_buckets(arm.plan, num_sequences)
 
 
 def exact_arm(policy: nn.Module) -> Arm:

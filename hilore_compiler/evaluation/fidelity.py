@@ -64,12 +64,17 @@ def bucket_advantage(spec: BucketSpec) -> float:
     return math.sqrt(spec.lo * spec.hi)
 
 
+def grad_vector(params: list[torch.nn.Parameter]) -> Tensor:
+    """The parameters' accumulated ``.grad`` as one fp64 vector (zeros where there is none)."""
+    return torch.cat([p.grad.reshape(-1).double() if p.grad is not None
+                      else torch.zeros(p.numel(), dtype=torch.float64) for p in params])
+
+
 def flat_grad(arm: Arm) -> Tensor:
     """All parameter gradients of the arm's policy as one fp64 vector; clears them."""
-    grads = [p.grad.reshape(-1).double() if p.grad is not None else torch.zeros(p.numel(), dtype=torch.float64)
-             for p in arm.policy.parameters()]
+    grads = grad_vector(list(arm.policy.parameters()))
     arm.policy.zero_grad(set_to_none=True)
-    return torch.cat(grads)
+    return grads
 
 
 def compare(grad: Tensor, exact: Tensor) -> tuple[float, float]:

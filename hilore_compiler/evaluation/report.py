@@ -108,12 +108,51 @@ def training_summary(runs: list[ArmRun], reference: str = "exact") -> dict[str, 
     return out
 
 
+def step_fidelity_summary(runs: list[ArmRun]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per compiled arm and bucket, over every measured step of every seed: the mean and
+    lowest cosine of the arm's bucket gradient with the exact one, the steps measured and
+    the samples they held; bucket ``"update"`` is the whole update."""
+    cosines: dict[str, dict[str, list[tuple[float, int]]]] = {}
+    for run in runs:
+        for f in run.fidelity:
+            arm = cosines.setdefault(run.arm, {})
+            for bucket, cos in f.cosine.items():
+                arm.setdefault(bucket, []).append((cos, f.samples.get(bucket, 0)))
+            arm.setdefault("update", []).append((f.update_cosine, sum(f.samples.values())))
+    return {arm: {bucket: {"mean_cosine": statistics.fmean(c for c, _ in values),
+                           "min_cosine": min(c for c, _ in values),
+                           "steps": len(values), "samples": sum(n for _, n in values)}
+                  for bucket, values in sorted(buckets.items(), key=lambda kv: (kv[0] == "update", kv[0]))}
+            for arm, buckets in cosines.items()}
+
+
+def format_step_fidelity(summary: dict[str, dict[str, dict[str, float]]]) -> str:
+    """``step_fidelity_summary`` as a text table; cosines as 1 - cos, which tells 0.99999 from 0.999."""
+    lines = [f"{'arm':<15} {'bucket':<7} {'1 - mean cos':>12} {'1 - min cos':>12} {'steps':>6} {'samples':>8}"]
+    for arm, buckets in summary.items():
+        for bucket, s in buckets.items():
+            lines.append(f"{arm:<15} {bucket:<7} {1 - s['mean_cosine']:12.1e} {1 - s['min_cosine']:12.1e} "
+                         f"{s['steps']:6d} {s['samples']:8d}")
+    return "\n".join(lines)
+
+
+def format_arm_plans(plans: dict[str, Any]) -> str:
+    """What the backend planned for each compiled arm, bucket by bucket."""
+    lines = []
+    for arm, p in plans.items():
+        lines.append(f"{arm}: {p['budget']} = {p['budget_bytes']} bytes (gc {p['gc_bytes']}, store-all "
+                     f"{p['store_bytes']}), codecs {', '.join(p['codecs'])}, {p['variants']} compiled variant(s)")
+        lines += [f"  {name}: " + ", ".join(f"{n} {k}" for k, n in b["options"].items())
+                  + f"; {b['memory_bytes']} bytes, risk {b['risk']:.2e}" for name, b in p["buckets"].items()]
+    return "\n".join(lines)
+
+
 def format_training(summary: dict[str, Any]) -> str:
     """The training summary as a small text table."""
-    lines = [f"{'arm':<12} {'start %':>8} {'final %':>8} {'s/step':>7}  final per seed"]
+    lines = [f"{'arm':<15} {'start %':>8} {'final %':>8} {'s/step':>7}  final per seed"]
     for arm, s in summary["arms"].items():
         per_seed = " ".join(f"{v:.1f}" for v in s["final_score_pp_per_seed"])
-        lines.append(f"{arm:<12} {s['start_score_pp']:8.1f} {s['final_score_pp']:8.1f} "
+        lines.append(f"{arm:<15} {s['start_score_pp']:8.1f} {s['final_score_pp']:8.1f} "
                      f"{s['seconds_per_step']:7.3f}  {per_seed}")
     for arm, d in summary["paired_differences"].items():
         verdict = "within" if d["interval_within_target"] else "not within"

@@ -16,17 +16,19 @@ Order of work (each step reports on stderr):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..backend.cache import default_cache_dir
 from ..grpo import GRPOConfig, UpdateConfig, plan_buckets
 from ..models import build_model
 from ..planfile import Plan
@@ -81,8 +83,7 @@ class EvalConfig:
     #: to split and more threads only contend with the other processes.
     threads: int = 1
     #: Where the backend may cache (it is given plans, so it writes little).
-    cache_dir: str = field(default_factory=lambda: os.environ.get(
-        "HILORE_CACHE_DIR", str(Path.home() / ".cache" / "hilore")))
+    cache_dir: str = field(default_factory=default_cache_dir)
     model: str = "tiny"
 
 
@@ -134,16 +135,6 @@ def resolve_plan(trace: Trace, budget: str, risk: float, buckets: int) -> tuple[
     return plan, info
 
 
-def _warm_up(arm: arms_mod.Arm, config: EvalConfig) -> float:
-    """Compile ``arm`` now (the backend builds every bucket variant on the first call)."""
-    start = time.perf_counter()
-    vocab = arm.policy.config.vocab_size
-    ids = torch.randint(0, vocab, (config.microbatch, config.task.seq_len), generator=torch.Generator())
-    arm.model(ids).float().pow(2).mean().backward()
-    arm.policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
-
-
 def _distinct(plan: Plan) -> int:
     """How many different plans the nonzero buckets have."""
     return len({b.decisions for b in plan.buckets if not b.skip})
@@ -181,7 +172,9 @@ def build_arms(trace: Trace, config: EvalConfig, say: Progress) -> tuple[dict[st
     for name, plan in plans.items():
         policy = build_model(config.model, seed=config.fidelity_seed)
         arms[name] = arms_mod.compiled_arm(name, policy, plan, config.cache_dir)
-        compile_s[name] = _warm_up(arms[name], config)
+        start = time.perf_counter()
+        arms_mod.warm_up(arms[name], config.microbatch, config.task.seq_len)
+        compile_s[name] = time.perf_counter() - start
         say(f"compiled {name} ({len(arms[name].backend.graphs[0].variants)} variants) "
             f"in {compile_s[name]:.0f} s")
     probes = [resolve_plan(trace, b, risk, config.buckets)[1] for b in config.probe_budgets]
@@ -204,14 +197,21 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__}
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch CPU threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_evaluation(config: EvalConfig, say: Progress) -> dict[str, Any]:
     """Run the whole evaluation (module docstring) and return the results payload."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _run(config, say)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(config: EvalConfig, say: Progress) -> dict[str, Any]:

@@ -9,9 +9,15 @@ their own ways. Each run records a digest of every step's samples, which
 tells how long an arm shared the exact arm's rollouts.
 
 The update is ``actor_update`` on the arm's model (eager for ``exact``, the
-compiled ``FixedBatch`` for the others), with the same exposure buckets (the
-plan's, see ``grpo.plan_buckets``) for every arm, so all arms cut the batch
-into the same microbatches and sum the gradient in the same order.
+compiled ``FixedBatch`` for the others), with the exposure buckets of
+``RunSetup.buckets`` for every arm, so all arms cut the batch into the same
+microbatches and sum the gradient in the same order; or, when it is None,
+each arm's own plan's (``arms.arm_buckets``), as a user's trainer runs.
+
+With a KL term (``GRPOConfig.beta`` > 0) the reference policy is the run's
+initial weights (``build_model(seed=...)``, frozen), as in GRPO from a base
+model. Every ``TrainConfig.fidelity_every`` steps a compiled arm's update
+is measured against the exact one on the same batch (``stepfidelity``).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..grpo import ExposureBuckets, GRPOConfig, UpdateConfig, actor_update
 from ..models import build_model
-from .arms import Arm, load_weights
+from .arms import Arm, arm_buckets, load_weights
 from .rollout import rollout, task_score
+from .stepfidelity import StepFidelity, measured_update
 from .task import TaskConfig, make_prompts
 from ..progress import tell
 
@@ -59,10 +67,15 @@ class TrainConfig:
     #: seen on one exact run), and one evaluation would carry that into the
     #: paired difference.
     final_evals: int = 3
+    #: Measure a compiled arm's update against the exact one every this many
+    #: steps (``stepfidelity``: one more eager update each time); 0: never.
+    fidelity_every: int = 0
 
     def __post_init__(self) -> None:
         if min(self.steps, self.prompts_per_step, self.eval_every, self.eval_prompts, self.final_evals) < 1:
             raise ValueError("steps, prompts_per_step, eval_every, eval_prompts and final_evals must be >= 1")
+        if self.fidelity_every < 0:
+            raise ValueError("fidelity_every must be >= 0")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: a one-sample group has no advantage")
 
@@ -84,6 +97,8 @@ class ArmRun:
     update_seconds: float
     #: Mean score of the last ``TrainConfig.final_evals`` evaluations after the start.
     final_score: float
+    #: The measured steps' fidelity to the exact update (compiled arms only).
+    fidelity: tuple[StepFidelity, ...] = ()
 
     @property
     def start_score(self) -> float:
@@ -111,9 +126,18 @@ class RunSetup:
     train: TrainConfig
     grpo: GRPOConfig
     update: UpdateConfig
-    #: The exposure buckets every arm's ``actor_update`` uses.
-    buckets: ExposureBuckets
+    #: The exposure buckets every arm's ``actor_update`` uses; None: each arm's own.
+    buckets: ExposureBuckets | None = None
     model: str = "tiny"
+
+
+def reference_policy(setup: RunSetup, seed: int) -> nn.Module | None:
+    """The KL term's reference, the run's initial weights, frozen; None without a KL term."""
+    if setup.grpo.beta == 0.0:
+        return None
+    reference = build_model(setup.model, seed=seed)
+    reference.requires_grad_(False)
+    return reference
 
 
 def train_arm(arm: Arm, seed: int, setup: RunSetup, progress: Progress | None = None) -> ArmRun:
@@ -121,16 +145,26 @@ def train_arm(arm: Arm, seed: int, setup: RunSetup, progress: Progress | None = 
     say = progress or (lambda _msg: None)
     cfg = setup.train
     load_weights(arm, build_model(setup.model, seed=seed).state_dict())
+    reference = reference_policy(setup, seed)
     optimizer = torch.optim.AdamW(arm.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     held_out = make_prompts(setup.task, cfg.eval_prompts, torch.Generator().manual_seed(cfg.eval_seed))
+    batch_size = cfg.prompts_per_step * cfg.group_size
+    buckets = setup.buckets if setup.buckets is not None else arm_buckets(arm, batch_size)
     scores = [(0, task_score(arm.policy, setup.task, held_out))]
-    rewards, digests, in_update = [], [], 0.0
+    rewards, digests, fidelity, in_update = [], [], [], 0.0
     start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         batch = rollout(arm.policy, setup.task, num_prompts=cfg.prompts_per_step,
-                        group_size=cfg.group_size, generator=step_generator(seed, step))
-        report = actor_update(arm.model, optimizer, batch.batch, setup.grpo, update=setup.update,
-                              buckets=setup.buckets)
+                        group_size=cfg.group_size, generator=step_generator(seed, step), reference=reference)
+        if not arm.exact and cfg.fidelity_every and step % cfg.fidelity_every == 0:
+            report, measured = measured_update(arm.model, arm.policy, batch.batch, setup.grpo, setup.update,
+                                               buckets, step)
+            optimizer.step()
+            optimizer.zero_grad()
+            fidelity.append(measured)
+        else:
+            report = actor_update(arm.model, optimizer, batch.batch, setup.grpo, update=setup.update,
+                                  buckets=buckets)
         in_update += report.seconds
         rewards.append(float(batch.rewards.mean()))
         digests.append(digest(batch.batch.input_ids))
@@ -141,7 +175,7 @@ def train_arm(arm: Arm, seed: int, setup: RunSetup, progress: Progress | None = 
     last = [score for _, score in scores[1:][-cfg.final_evals:]]
     return ArmRun(arm=arm.name, seed=seed, rewards=tuple(rewards), scores=tuple(scores),
                   digests=tuple(digests), seconds=time.perf_counter() - start, update_seconds=in_update,
-                  final_score=sum(last) / len(last))
+                  final_score=sum(last) / len(last), fidelity=tuple(fidelity))
 
 
 def train_paired(arms: list[Arm], seeds: list[int], setup: RunSetup,

@@ -35,7 +35,7 @@ skips that slot. Each rank still picks its own bucket per microbatch.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -279,7 +279,8 @@ def _normalisers(mask: Tensor, ranks: int) -> tuple[int | float, float]:
 
 
 def _run_microbatches(
-    model: nn.Module, batch: RolloutBatch, config: GRPOConfig, plan: UpdatePlan
+    model: nn.Module, batch: RolloutBatch, config: GRPOConfig, plan: UpdatePlan,
+    after_backward: Callable[[str], None] | None = None,
 ) -> tuple[float, Tensor]:
     """Forward + backward of every run; returns the loss and the exact exposures (B,)."""
     exact = torch.zeros(batch.input_ids.shape[0], dtype=torch.float64)  # skipped stay exactly 0
@@ -287,6 +288,8 @@ def _run_microbatches(
     for name, idx in plan.runs:
         rows = torch.tensor(idx, device=batch.input_ids.device)
         loss, exposure = _microbatch(model, batch, config, plan, name, rows)
+        if after_backward is not None:
+            after_backward(name)
         if name != PAD:  # a padding run's rows ran (or skip) elsewhere
             exact[rows.cpu()] = exposure.to("cpu", torch.float64)
         total += loss.to(torch.float64)
@@ -340,6 +343,7 @@ def actor_update(
     *,
     update: UpdateConfig = UpdateConfig(),
     buckets: ExposureBuckets | None = None,
+    after_backward: Callable[[str], None] | None = None,
 ) -> UpdateReport:
     """Run one GRPO actor update of ``model`` on ``batch``; see the module docstring.
 
@@ -348,12 +352,14 @@ def actor_update(
     makes them from this batch. ``optimizer=None`` only accumulates the
     gradient into ``.grad`` (to inspect or compare it); otherwise the update
     ends with ``optimizer.step()`` and ``optimizer.zero_grad()``.
+    ``after_backward(bucket)`` is called after each microbatch's backward, so
+    that a caller can read how much each bucket added to ``.grad``.
     """
     device = batch.input_ids.device
     before = _memory_start(device)
     start = time.perf_counter()
     plan = plan_update(batch, config, update, buckets)
-    loss, exact = _run_microbatches(model, batch, config, plan)
+    loss, exact = _run_microbatches(model, batch, config, plan, after_backward)
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad()

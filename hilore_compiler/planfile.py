@@ -197,6 +197,9 @@ class Plan:
     #: (``solver.devicefit``).
     trained_param_bytes: int | None = None
     frozen_param_bytes: int | None = None
+    #: GC's predicted peak when eager autograd runs the step rather than a compiled
+    #: backward (``solver.stepterms.StepTerms.eager``); None in older plans.
+    gc_eager_bytes: int | None = None
     #: The trace the plan was solved from, when it was solved in this process
     #: (``solve``); never written to the file. The backend re-solves from it
     #: for a batch or length the plan does not cover.
@@ -246,7 +249,8 @@ class Plan:
             "shape": {"batch": self.batch, "seq_len": self.seq_len,
                       **({"seq_range": list(self.seq_range)} if self.seq_range else {})},
             "budget": {"given": self.budget, "bytes": self.budget_bytes},
-            "references": {"gc_bytes": self.gc_bytes, "store_bytes": self.store_bytes},
+            "references": {"gc_bytes": self.gc_bytes, "store_bytes": self.store_bytes,
+                           **({"gc_eager_bytes": self.gc_eager_bytes} if self.gc_eager_bytes is not None else {})},
             "risk_budget": self.risk_budget,
             "codecs": list(self.codecs),
             "cost_source": self.cost_source,

@@ -176,11 +176,16 @@ def _parameters_from_json(obj: Any, where: str) -> dict[str, int | None]:
     obj = as_object(obj, where)
     out = {}
     for name in ("trained_bytes", "frozen_bytes"):
-        value = obj.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise FormatError(f"{where}.{name}: expected an integer or null")
-        out[name.replace("_bytes", "_param_bytes")] = value
+        out[name.replace("_bytes", "_param_bytes")] = _optional_int(obj, name, where)
     return out
+
+
+def _optional_int(obj: dict[str, Any], name: str, where: str) -> int | None:
+    """``obj[name]``: an integer, or None where it is absent (a field older files lack)."""
+    value = obj.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise FormatError(f"{where}.{name}: expected an integer or null")
+    return value
 
 
 def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
@@ -214,6 +219,7 @@ def plan_from_json(payload: dict[str, Any], where: str = "plan") -> Plan:
         budget_bytes=require(budget, "bytes", int, f"{where}.budget"),
         gc_bytes=require(refs, "gc_bytes", int, f"{where}.references"),
         store_bytes=require(refs, "store_bytes", int, f"{where}.references"),
+        gc_eager_bytes=_optional_int(refs, "gc_eager_bytes", f"{where}.references"),
         risk_budget=float(require(payload, "risk_budget", _NUM, where)),
         codecs=tuple(require(payload, "codecs", list, where)),
         cost_source=require(payload, "cost_source", str, where),

@@ -47,7 +47,7 @@ def plan_summary(backend: Any) -> dict[str, Any]:
         return out
     plan = graphs[0].plan
     out.update(budget=plan.budget, budget_bytes=plan.budget_bytes, gc_bytes=plan.gc_bytes,
-               store_bytes=plan.store_bytes,
+               store_bytes=plan.store_bytes, gc_eager_bytes=plan.gc_eager_bytes,
                predicted_memory_bytes={b.bucket.name: b.memory_bytes for b in plan.buckets if not b.skip},
                risk_budget=plan.risk_budget,
                bucket_error={b.bucket.name: {"risk": b.risk, "error_share": b.error_share}

@@ -87,11 +87,12 @@ def plan_units(model: CostModel) -> tuple[PlanUnit, ...]:
 def memory_records(trace: Trace, model: CostModel, plans: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
     """A plan's memory beyond its buckets' peaks, as ``Plan`` fields: the timeline
     (``timeline.py``) of ``plans`` (``{bucket: decisions}``) with GC's and
-    store-all's, and the trace's trained and frozen parameter bytes (None where
-    the trace did not record them), which ``devicefit`` adds to the peaks."""
+    store-all's, the trace's trained and frozen parameter bytes (None where
+    the trace did not record them), which ``devicefit`` adds to the peaks, and
+    GC's peak under eager autograd."""
     return {"timeline": memory_timeline(trace, model, plans),
             "trained_param_bytes": sum(trace.param_bytes.values()) if trace.param_bytes else None,
-            "frozen_param_bytes": trace.frozen_param_bytes}
+            "frozen_param_bytes": trace.frozen_param_bytes, "gc_eager_bytes": model.gc_eager_bytes}
 
 
 def bucket_summary(b: BucketPlan) -> str:

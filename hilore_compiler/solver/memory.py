@@ -166,6 +166,9 @@ class CostModel:
     gc_bytes: int
     store_bytes: int
     step: StepTerms = field(default_factory=StepTerms)
+    #: GC's predicted peak when eager autograd runs the step (``StepTerms.eager``):
+    #: the trainer's GC against which a compiled step is often measured.
+    gc_eager_bytes: int | None = None
     #: Units by key, derived from ``units`` (a lookup table, not state).
     by_key: Mapping[str, UnitCost] = field(init=False, repr=False, compare=False)
     #: The backward segments with their units' windows, derived from ``units``.
@@ -217,10 +220,12 @@ def cost_model(trace: Trace, *, batch: int, seq_len: int, codecs: Sequence[str],
     step = step_terms(trace, segments, batch=batch, seq_len=seq_len, flowing=flowing, loss_ratio=loss_ratio,
                       accumulate_gradients=accumulate_gradients)
     stored = {g: sum(u.bytes for u in us) for g, us in segments.items()}
+    flowing_per_layer = {g: flowing for g in gc_rebuilt}
     return CostModel(
         batch=batch, seq_len=seq_len, units=units,
-        gc_bytes=gc_kept + gc_worst(gc_rebuilt, step, {g: flowing for g in gc_rebuilt}),
+        gc_bytes=gc_kept + gc_worst(gc_rebuilt, step, flowing_per_layer),
         store_bytes=sum(stored.values()) + step.floor(stored), step=step,
+        gc_eager_bytes=gc_kept + gc_worst(gc_rebuilt, step.eager(), flowing_per_layer),
     )
 
 

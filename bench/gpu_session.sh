@@ -136,6 +136,21 @@ if [[ ${memcheck_args[0]:-none} != none ]]; then
     memcheck_rc=$?
 fi
 
+# optional_bench NAME LIMIT_S ARGS...: a bench step of its own, its worker logs
+# kept; prints its exit status, or "skipped" where ARGS is "none".
+optional_bench() {
+    local name=$1 limit=$2
+    shift 2
+    if [[ ${1:-none} == none ]]; then
+        echo skipped
+        return
+    fi
+    step "$name" "$limit" python3 -m hilore_compiler bench "$@" >&2
+    local rc=$?
+    copy_worker_logs
+    echo "$rc"
+}
+
 # The paper authors' reference runtime (the `paper` method, issue 65) on its home
 # ground, CUDA and bf16 with fp8 for L, beside GC at the paper's 1.10x: its
 # profiling and calibration (16 microbatches) run in its worker's set-up.
@@ -143,12 +158,7 @@ fi
 read -r -a paper_args <<<"${PAPER_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
 --ceilings 1.1 --methods gc,hilore,paper --repeats 3 --warmup 1 --settle-rounds 0 \
 -o $OUT/frontier-tinyllama-8l-bf16-cuda-paper.json}"
-paper_rc=skipped
-if [[ ${paper_args[0]:-none} != none ]]; then
-    step paper 150 python3 -m hilore_compiler bench "${paper_args[@]}"
-    paper_rc=$?
-    copy_worker_logs
-fi
+paper_rc=$(optional_bench paper 150 "${paper_args[@]}")
 
 # The peers of issue 53 that run on CUDA only, in a bench of their own so that
 # neither their failure nor a time-out loses the frontier above, and after the
@@ -161,12 +171,7 @@ fi
 read -r -a peers_args <<<"${PEERS_ARGS:---device cuda --dtype bfloat16 --model tinyllama-8l --batch 8 --seq-len 2048 \
 --ceilings 1.0,1.1 --methods gc,gc-offload,sac-offload,sac-milp --repeats 3 --warmup 1 --settle-rounds 0 \
 -o $OUT/frontier-tinyllama-8l-bf16-cuda-peers.json}"
-peers_rc=skipped
-if [[ ${peers_args[0]:-none} != none ]]; then
-    step cuda_peers 180 python3 -m hilore_compiler bench "${peers_args[@]}"
-    peers_rc=$?
-    copy_worker_logs
-fi
+peers_rc=$(optional_bench cuda_peers 180 "${peers_args[@]}")
 
 step backend_tests 120 "${PYTEST[@]}" tests/test_backend.py tests/test_any_graph.py
 
